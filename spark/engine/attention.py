@@ -1,0 +1,49 @@
+"""Attention over the paged KV cache, for one flat varlen batch.
+
+The engine builds one ``AttentionMetadata`` per step; every layer reuses it.
+Which implementation runs is decided by the device: the torch references on
+the CPU (Triton's interpreter is far too slow to serve from), the Triton
+kernels on a GPU where they apply.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from spark.engine.kernels import kv_write, paged_attention as pa
+
+
+@attrs.frozen
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each one attends to.
+
+    B sequences, T tokens in all; sequence b owns query rows
+    ``query_start_loc[b]:query_start_loc[b+1]``.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token (-1: skip)
+    query_start_loc: torch.Tensor  # [B+1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_pages] int32: pages of each sequence, 0-padded
+    decode_only: bool  # every sequence computes exactly one token
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, Dh]
+    k: torch.Tensor,  # [T, Hkv, Dh]
+    v: torch.Tensor,  # [T, Hkv, Dh]
+    k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into their pages, then attend. Returns [T, H, Dh]."""
+    on_gpu = q.is_cuda
+    write = kv_write.write_kv_triton if on_gpu else kv_write.write_kv_reference
+    write(k, v, k_cache, v_cache, meta.slot_mapping)
+    if on_gpu and meta.decode_only:
+        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    return pa.paged_attention_reference(
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+    )

@@ -1,0 +1,62 @@
+"""One config type for every Llama-family model Spark runs.
+
+Llama 2/3.x, SmolLM2 and Mistral share one block; Qwen2/2.5 add a bias to the
+q/k/v projections; Qwen3 adds a per-head RMSNorm on q and k. The differences
+are flags here, so the model code stays one file.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@attrs.frozen
+class ModelConfig:
+    """Shapes and flags of a Llama-family decoder.
+
+    Built from an HF ``config.json`` (``spark.engine.weights.hf``), from GGUF
+    metadata (``spark.engine.weights.gguf``) or inline for dummy weights.
+    """
+
+    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes one token occupies in the KV cache over all layers (K and V)."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")

@@ -1,0 +1,357 @@
+"""The synchronous engine: one ``step(plan)`` computes one flat batch of tokens.
+
+The caller (the scheduler actor, or ``generate`` below) decides what runs: a
+``StepPlan`` names, per sequence, how many of its tokens to compute now and the
+pages that hold them. Prefill, chunked prefill and decode are one case: a
+sequence whose computed tokens catch up with its known tokens samples its next
+token. The engine keeps each sequence's tokens and sampling state, never its
+pages: pages belong to whoever owns the ``PageAllocator``.
+
+No trio here; the GPU-runner actor calls ``step`` from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from typing import Hashable, Sequence as Seq
+
+import attrs
+import torch
+
+from spark.engine.attention import AttentionMetadata
+from spark.engine.config import ModelConfig
+from spark.engine.kv_cache import KVCache, num_pages_for_budget
+from spark.engine.models.llama import LlamaModel
+from spark.engine.page_allocator import PageAllocator
+from spark.engine.sampler import Sampler, SamplingBatch
+from spark.engine.sampling import SamplingParams
+
+log = logging.getLogger("spark.engine")
+
+CPU_KV_BUDGET_BYTES = 1 << 30
+GPU_MEMORY_FRACTION = 0.90  # of the memory free after loading, for the KV cache
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """Compute ``num_tokens`` more tokens of ``seq_id``, whose pages are ``block_table``."""
+
+    seq_id: Hashable
+    num_tokens: int
+    block_table: tuple[int, ...]
+
+
+@attrs.frozen
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+
+
+@attrs.frozen
+class TokenOutput:
+    """A token sampled for ``seq_id`` this step."""
+
+    seq_id: Hashable
+    token_id: int
+    logprob: float | None = None  # of the chosen token, under the model's raw distribution
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    finish_reason: str | None = None  # "stop" | "length" once the sequence is done
+
+
+@attrs.define(eq=False)
+class _Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = attrs.Factory(list)
+    num_computed: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    """A model, its KV cache and its sampler, stepped one flat batch at a time."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        tokenizer=None,
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_kv_budget()
+        num_pages = num_pages_for_budget(self.config, budget, page_size, self.dtype)
+        if num_pages < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 pages")
+        self.kv_cache = KVCache(self.config, num_pages, page_size, self.dtype, self.device)
+        self.page_size = page_size
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(
+            self.config.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
+        )
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._seed_rng = random.Random()
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+        dummy_config=None,
+        progress: bool = True,
+    ) -> "Engine":
+        """Load ``model`` ("default", a .gguf path, an HF directory or "dummy[:preset]") and build an engine.
+
+        Raises:
+            ModelLoadError: the model cannot be read; its message names the file and the problem.
+        """
+        from spark.engine.weights import iter_weights, resolve_model
+
+        source = resolve_model(model, dummy_config=dummy_config)
+        device = torch.device(device) if device is not None else _default_device()
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            net = LlamaModel(source.config)
+        net = net.to_empty(device=device).to(dtype)
+        net.inv_freq = _inv_freq_on(source.config, device)
+        net.load_weights(iter_weights(source, dtype=dtype, device=device, progress=progress))
+        net.eval()
+        tokenizer = _load_tokenizer(source)
+        log.info("loaded %s (%s) on %s in %.1fs", source.path or "dummy", source.kind, device, time.perf_counter() - t0)
+        return cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * GPU_MEMORY_FRACTION)
+        return CPU_KV_BUDGET_BYTES
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache.num_pages
+
+    def new_page_allocator(self) -> PageAllocator:
+        return PageAllocator(self.kv_cache.num_pages, self.page_size)
+
+    # -- sequences --------------------------------------------------------
+    def add_sequence(self, seq_id: Hashable, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Register a sequence; its tokens are computed by later steps."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if not prompt_ids:
+            raise ValueError("prompt must hold at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary (size {self.config.vocab_size})")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self._seqs[seq_id] = _Sequence(list(prompt_ids), params, seed)
+
+    def remove_sequence(self, seq_id: Hashable) -> None:
+        """Forget a sequence (finished sequences are forgotten on their own)."""
+        self._seqs.pop(seq_id, None)
+
+    def num_uncomputed(self, seq_id: Hashable) -> int:
+        """Tokens of ``seq_id`` known but not yet in the cache (the prompt left, or 1 when decoding)."""
+        s = self._seqs[seq_id]
+        return s.num_tokens - s.num_computed
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._seqs[seq_id].num_tokens
+
+    # -- the step ---------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> list[TokenOutput]:
+        """Compute the planned tokens in one forward; sample for sequences that caught up.
+
+        Returns:
+            One ``TokenOutput`` per sequence that sampled a token this step, in plan order.
+        """
+        if not plan.chunks:
+            return []
+        ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
+        page_size = self.page_size
+        for chunk in plan.chunks:
+            s = self._seqs[chunk.seq_id]
+            start, end = s.num_computed, s.num_computed + chunk.num_tokens
+            if chunk.num_tokens < 1 or end > s.num_tokens:
+                raise ValueError(f"plan asks {chunk.num_tokens} tokens of {chunk.seq_id!r}, {s.num_tokens - start} left")
+            if len(chunk.block_table) * page_size < end:
+                raise ValueError(f"block table of {chunk.seq_id!r} holds {len(chunk.block_table)} pages, needs {end} tokens")
+            for pos in range(start, end):
+                ids.append(s.token(pos))
+                positions.append(pos)
+                slots.append(chunk.block_table[pos // page_size] * page_size + pos % page_size)
+            qsl.append(qsl[-1] + chunk.num_tokens)
+            seq_lens.append(end)
+            if end == s.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                samplers.append(chunk.seq_id)
+
+        max_pages = max(len(c.block_table) for c in plan.chunks)
+        tables = [list(c.block_table) + [0] * (max_pages - len(c.block_table)) for c in plan.chunks]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            decode_only=len(ids) == len(plan.chunks),
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache.layers,
+            meta,
+        )
+        for chunk in plan.chunks:
+            self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
+        if not samplers:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return self._sample(samplers, logits)
+
+    def _sample(self, seq_ids: list[Hashable], logits: torch.Tensor) -> list[TokenOutput]:
+        seqs = [self._seqs[i] for i in seq_ids]
+        batch = SamplingBatch(
+            params=tuple(s.params for s in seqs),
+            token_histories=tuple(
+                (tuple(s.prompt_ids), tuple(s.output_ids)) if _needs_history(s.params) else ((), ())
+                for s in seqs
+            ),
+            seeds=tuple(s.seed for s in seqs),
+            steps=tuple(len(s.output_ids) for s in seqs),
+        )
+        result = self.sampler(logits, batch)
+        token_ids = result.token_ids.tolist()
+        chosen_lp = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        outputs = []
+        for row, (seq_id, s, token) in enumerate(zip(seq_ids, seqs, token_ids)):
+            s.output_ids.append(token)
+            k = s.params.logprobs
+            top = tuple(zip(top_ids[row][:k], top_lp[row][:k])) if k and top_ids is not None else ()
+            reason = self._finish_reason(s, token)
+            if reason is not None:
+                del self._seqs[seq_id]
+            outputs.append(TokenOutput(
+                seq_id, token,
+                logprob=chosen_lp[row] if k is not None and chosen_lp is not None else None,
+                top_logprobs=top, finish_reason=reason,
+            ))
+        return outputs
+
+    def _finish_reason(self, s: _Sequence, token: int) -> str | None:
+        if token in s.params.stop_token_ids or (token in self.eos_token_ids and not s.params.ignore_eos):
+            return "stop"
+        if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- convenience ------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams],
+        *,
+        max_prefill_tokens: int | None = None,
+        max_batch_size: int = 256,
+    ) -> list[list[TokenOutput]]:
+        """Run prompts to completion with a simple FIFO loop (CLI, tests, benchmarks).
+
+        Each step decodes every running sequence and fills the rest of the token
+        budget with prefill chunks of waiting ones (at most ``max_prefill_tokens``
+        prompt tokens per step, so long prompts are chunked).
+
+        Returns:
+            Per prompt, the ``TokenOutput`` of every generated token.
+        """
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        allocator = self.new_page_allocator()
+        base = object()  # private ids: never collide with a caller's sequences
+        waiting = deque((base, i) for i in range(len(prompts)))
+        for (b, i) in waiting:
+            self.add_sequence((b, i), prompts[i], params[i])
+        running: list = []
+        results: list[list[TokenOutput]] = [[] for _ in prompts]
+        budget = max_prefill_tokens or self.max_model_len
+        try:
+            while waiting or running:
+                chunks = []
+                for sid in running:
+                    table = allocator.append(sid, self.num_tokens(sid))
+                    chunks.append(ScheduledChunk(sid, 1, table))
+                left = budget
+                while waiting and left > 0 and len(running) < max_batch_size:
+                    sid = waiting[0]
+                    n = min(self.num_uncomputed(sid), left)
+                    done = self._seqs[sid].num_computed + n
+                    if not allocator.can_allocate(sid, done):
+                        break
+                    table = allocator.append(sid, done) if allocator.has(sid) else allocator.allocate(sid, done)
+                    chunks.append(ScheduledChunk(sid, n, table))
+                    left -= n
+                    if done == self.num_tokens(sid):
+                        running.append(waiting.popleft())
+                    else:
+                        break  # a partial prompt fills the budget
+                if not chunks:
+                    raise RuntimeError("KV cache too small for the next prompt")
+                for out in self.step(StepPlan(tuple(chunks))):
+                    results[out.seq_id[1]].append(out)
+                    if out.finish_reason is not None:
+                        running.remove(out.seq_id)
+                        allocator.free(out.seq_id)
+        finally:
+            for i in range(len(prompts)):
+                self.remove_sequence((base, i))
+        return results
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _inv_freq_on(config: ModelConfig, device) -> torch.Tensor:
+    from spark.engine.models.llama import rope_inv_freq
+
+    return rope_inv_freq(config).to(device)
+
+
+def _load_tokenizer(source):
+    from spark.engine.tokenizer import Tokenizer
+
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    if source.kind == "hf":
+        return Tokenizer.from_hf_dir(source.path)
+    return None

@@ -1,0 +1,222 @@
+"""A Llama-family decoder over a flat varlen batch and a paged KV cache.
+
+One block covers Llama 2/3.x, SmolLM2 and Mistral; Qwen2 adds q/k/v biases
+(``config.attention_bias``) and Qwen3 a per-head RMSNorm on q and k
+(``config.qk_norm``). The forward takes every token of the step in one flat
+batch ``[T]``: prefill chunks and single decode tokens side by side, no padding.
+Weights arrive with Hugging Face names and layout; q/k/v and gate/up are fused
+at load time so that each block runs two big matmuls instead of five.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from spark.engine.attention import AttentionMetadata, paged_attention
+from spark.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as HF does, so that
+        # bf16 runs round at the same place as the reference.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama-3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and
+    # the band between is interpolated smoothly.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation (NeoX) RoPE. x: [T, H, Dh]; cos, sin: [T, Dh // 2] fp32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, D]
+        T = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
+        return self.wo(out.reshape(T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)  # gate, up
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(nn.functional.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    """The decoder. ``forward`` returns hidden states; ``compute_logits`` the vocab scores."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: k, v [pages, page_size, Hkv, Dh]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh // 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.tok_embeddings(input_ids)  # [T, D]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] -> logits [N, V] in fp32."""
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        c = self.config
+        for name, tensor in weights:
+            target, offset = _hf_to_spark(name, c)
+            param = params[target]
+            if offset is None:
+                param.copy_(tensor)
+            else:
+                param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            filled.add(f"{target}@{offset}")
+        expected = {f"{t}@{o}" for t, o in (_hf_to_spark(n, c) for n in hf_weight_names(c))}
+        missing = expected - filled
+        if missing:
+            raise ValueError(f"weights missing for {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+
+
+def hf_weight_names(c: ModelConfig) -> list[str]:
+    """The HF tensor names a checkpoint of this config holds."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not c.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if c.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if c.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
+_LAYER_MAP = {
+    "input_layernorm.weight": ("attention_norm.weight", None),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", None),
+    "self_attn.o_proj.weight": ("attention.wo.weight", None),
+    "self_attn.q_norm.weight": ("attention.q_norm.weight", None),
+    "self_attn.k_norm.weight": ("attention.k_norm.weight", None),
+    "mlp.down_proj.weight": ("feed_forward.w2.weight", None),
+}
+
+
+def _hf_to_spark(name: str, c: ModelConfig) -> tuple[str, int | None]:
+    """Map an HF tensor name to (our parameter name, row offset inside a fused parameter or None)."""
+    top = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if name in top:
+        return top[name], None
+    _, _, index, rest = name.split(".", 3)
+    prefix = f"layers.{index}."
+    if rest in _LAYER_MAP:
+        target, offset = _LAYER_MAP[rest]
+        return prefix + target, offset
+    kind, proj, suffix = rest.split(".")  # e.g. self_attn, q_proj, weight
+    fused_offsets = {
+        "q_proj": ("attention.wqkv", 0),
+        "k_proj": ("attention.wqkv", c.q_size),
+        "v_proj": ("attention.wqkv", c.q_size + c.kv_size),
+        "gate_proj": ("feed_forward.w13", 0),
+        "up_proj": ("feed_forward.w13", c.intermediate_size),
+    }
+    if proj not in fused_offsets:
+        raise KeyError(f"unexpected weight {name}")
+    target, offset = fused_offsets[proj]
+    return f"{prefix}{target}.{suffix}", offset
