@@ -1,0 +1,309 @@
+"""Attention over the paged KV cache: torch references and a Triton decode kernel.
+
+Cache layout: `k_cache`, `v_cache` each `[num_pages, page_size, Hkv, D]`; token
+position p of sequence b lives at page `block_tables[b, p // page_size]`, offset
+`p % page_size`. GQA: query head h reads kv head `h // (H // Hkv)`. Every kernel
+here runs after this step's K/V were written to the cache, so `seq_lens` counts
+them.
+"""
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
+# compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
+# that only ever calls the references may not have triton at all.
+triton = None
+tl = None
+
+# Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
+# holds 1..8 heads. The padded rows are zero queries, masked at the store.
+_MIN_GROUP_ROWS = 16
+# Keys per inner-loop step; pages are gathered token by token, so it need not match page_size.
+_BLOCK_N = 64
+# Split-KV heuristic: aim for this many programs in flight (about 2 per H200 SM), and
+# give every partition at least this many keys so that the reduce stays cheap.
+_TARGET_PROGRAMS = 264
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flat mixed batch of prefill chunks and decode tokens.
+
+    Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]` (q_len of them);
+    its new token i sits at position `seq_lens[b] - q_len + i` and attends to keys
+    0..that position, so a chunk continuing an earlier prefill and a decode token are
+    the same case. Also the CPU engine's attention: per sequence it gathers the pages
+    into contiguous K/V and calls SDPA, in q's dtype (fp32 on the CPU).
+
+    Args:
+      q: `[T, H, D]` queries of all sequences, in order.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, D]`, already holding this step's K/V.
+      query_start_loc: `[B+1]` int32 cumulative query lengths.
+      seq_lens: `[B]` int32 context length of each sequence, this step's tokens included.
+      block_tables: `[B, max_pages]` int32 pages of each sequence, padded with anything.
+      scale: softmax scale, usually `D ** -0.5`.
+
+    Returns:
+      `[T, H, D]` attention output; rows of sequences with an empty context are zero.
+    """
+    out = torch.zeros_like(q)
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, context_len in enumerate(lens):
+        q_lo, q_hi = starts[b], starts[b + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0 or context_len == 0:
+            continue
+        pages = block_tables[b, : -(-context_len // page_size)].long()
+        # [pages, page_size, Hkv, D] -> [1, Hkv, context_len, D]. SDPA gets 4-D inputs
+        # throughout: on the CPU 3-D ones miss the fused kernel and run ~10x slower.
+        k = k_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1)[None].to(q.dtype)
+        v = v_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1)[None].to(q.dtype)
+        if q_len == 1:
+            # A lone query sees every key, so no mask: fold each GQA group's heads into
+            # query rows of its kv head, [1, Hkv, group, D], one small matmul per kv head.
+            qb = q[q_lo].reshape(1, num_kv_heads, -1, q.shape[-1])
+            out[q_lo] = F.scaled_dot_product_attention(qb, k, v, scale=scale).reshape(q.shape[1:])
+            continue
+        qb = q[q_lo:q_hi].transpose(0, 1)[None]  # [1, H, q_len, D]
+        # A prefill from position 0 is plain causal; a chunk continuing earlier context
+        # needs the mask aligned bottom-right (is_causal aligns top-left).
+        mask, causal = None, q_len == context_len
+        if not causal:
+            query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        out[q_lo:q_hi] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence attends to its whole context (torch reference).
+
+    Args:
+      q: `[B, H, D]` the new token of each sequence, its K/V already in the cache.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, D]`.
+      block_tables: `[B, max_pages]` int32.
+      seq_lens: `[B]` int32 context lengths, the new token included.
+      scale: softmax scale.
+
+    Returns:
+      `[B, H, D]`.
+    """
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One new token per sequence attends to its whole context (Triton, online softmax).
+
+    One program per (sequence, kv head, split) handles every query head of that kv
+    head's GQA group, so each K/V page is read once per group rather than once per
+    query head. With `num_splits > 1` (flash-decoding) the context of each sequence is
+    cut into that many partitions, each program writes a partial (max, sum, unnormalised
+    output), and a small kernel merges them: a few long sequences would otherwise
+    leave most SMs idle while one program per (sequence, kv head) walks all the pages.
+    The launch shape depends only on tensor shapes (no host sync), so it can be captured
+    in a CUDA graph.
+
+    Args:
+      q: `[B, H, D]` the new token of each sequence, its K/V already in the cache.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, D]`.
+      block_tables: `[B, max_pages]` int32.
+      seq_lens: `[B]` int32 context lengths, the new token included (0: output zeros).
+      scale: softmax scale.
+      num_splits: partitions per sequence; None picks them from the batch shape.
+
+    Returns:
+      `[B, H, D]` in q's dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and k_cache.shape[3] == head_dim
+    assert k_cache.stride() == v_cache.stride()
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size)
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    decode_kernel, reduce_kernel = _kernels()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
+    # fp32 caches keep exact fp32 dots; bf16/fp16 values are exact in tf32, so tf32
+    # products lose nothing on the scores and only round p (as a bf16 cast of p would).
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    split = num_splits > 1
+    if split:
+        partial_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+        partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    else:  # unused by the kernel; any fp32 tensor fills the arguments
+        partial_max = partial_sum = partial_out = out.new_empty(0, dtype=torch.float32)
+    decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        scale * math.log2(math.e), group, head_dim, num_splits,
+        PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        SPLIT=split, PRECISION=precision,
+    )
+    if split:
+        reduce_kernel[(batch, num_heads)](
+            partial_max, partial_sum, partial_out, out, *out.stride(), head_dim, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
+    """Pick the split-KV partition count from shapes alone (graph-capturable).
+
+    Args:
+      batch: sequences in the batch.
+      num_kv_heads: kv heads, i.e. programs per sequence without splitting.
+      max_context: the most keys a sequence can hold (block-table width * page size).
+
+    Returns:
+      1 when the batch alone fills the GPU or contexts are short, else enough
+      partitions to reach about `_TARGET_PROGRAMS` programs, each of at least
+      `_MIN_KEYS_PER_SPLIT` keys, at most `_MAX_SPLITS`.
+    """
+    programs = batch * num_kv_heads
+    by_occupancy = -(-_TARGET_PROGRAMS // max(programs, 1))
+    by_length = max_context // _MIN_KEYS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+@functools.cache
+def _kernels():
+    """Import triton and JIT the kernels: done at first launch so that TRITON_INTERPRET,
+    read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr,
+        stride_qb, stride_qh, stride_qd,
+        stride_cp, stride_co, stride_ch, stride_cd,
+        stride_bt, stride_ob, stride_oh, stride_od,
+        qk_scale_log2, group, head_dim, num_splits,
+        PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # This program's keys [start, end): partitions rounded up to whole BLOCK_N steps;
+        # the last ones may be empty when the sequence is short.
+        part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * part_len
+        end = tl.minimum(start + part_len, seq_len)
+
+        rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
+        dims = tl.arange(0, BLOCK_D)
+        row_ok = rows < group
+        dim_ok = dims < head_dim
+        heads = kv_head * group + rows
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+            mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        ).to(tl.float32)
+        q = q * qk_scale_log2  # scores come out in log2 units: exp2 below is exp of the scaled score
+
+        # Running max of the scores, finite: exp2(m_old - m_new) stays 1, not NaN, while a
+        # program has seen only masked keys (or none, in an empty partition).
+        m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # A while loop, not `for n0 in range(start, end, BLOCK_N)`: the Triton 3.6 interpreter
+        # turns runtime loop bounds into Python ints with int(1-element array), which
+        # numpy >= 2.4 rejects, and the tests run this kernel in the interpreter.
+        n0 = start
+        while n0 < end:
+            keys = n0 + tl.arange(0, BLOCK_N)
+            key_ok = keys < end
+            # Gather token by token: any page size, any page order.
+            page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            kv_off = page * stride_cp + (keys % PAGE_SIZE) * stride_co + kv_head * stride_ch
+            kv_off = kv_off[:, None] + dims[None, :] * stride_cd
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+            n0 += BLOCK_N
+
+        out_mask = row_ok[:, None] & dim_ok[None, :]
+        if SPLIT:
+            # Partial results in fp32, [B, H, S(, D)], merged by reduce_kernel.
+            part = (seq * tl.num_programs(1) * group + heads) * num_splits + split
+            tl.store(partial_max_ptr + part, m_i, mask=row_ok)
+            tl.store(partial_sum_ptr + part, l_i, mask=row_ok)
+            tl.store(partial_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
+        else:
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context: zeros, not NaN
+            o_off = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od
+            tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def reduce_kernel(
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr,
+        stride_ob, stride_oh, stride_od, head_dim, num_splits,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        seq, head = tl.program_id(0), tl.program_id(1)
+        splits = tl.arange(0, BLOCK_S)
+        dims = tl.arange(0, BLOCK_D)
+        split_ok = splits < num_splits
+        part = (seq * tl.num_programs(1) + head) * num_splits + splits
+        m = tl.load(partial_max_ptr + part, mask=split_ok, other=float("-inf"))
+        l = tl.load(partial_sum_ptr + part, mask=split_ok, other=0.0)
+        acc = tl.load(
+            partial_out_ptr + part[:, None] * head_dim + dims[None, :],
+            mask=split_ok[:, None] & (dims < head_dim)[None, :], other=0.0,
+        )
+        # Rescale every partition to the global max; empty partitions (max -1e30, sum 0) weigh 0.
+        weight = tl.exp2(m - tl.max(m, axis=0))
+        total = tl.sum(l * weight, axis=0)
+        o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+    return decode_kernel, reduce_kernel
