@@ -1,0 +1,74 @@
+"""Progress of a long load: a bar on a terminal, a few log lines elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import attrs
+
+log = logging.getLogger("spark.load")
+
+
+def _human(n_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n_bytes < 1000 or unit == "GB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1000
+    raise AssertionError("unreachable")
+
+
+@attrs.define(eq=False)
+class LoadProgress:
+    """Reports bytes loaded so far; use as ``with LoadProgress(total, "weights") as p: p.advance(n)``.
+
+    On a TTY stderr it draws a tqdm bar; otherwise (servers, CI, pipes) it logs
+    one info line to ``spark.load`` each time another ~10% is done, so logs
+    stay short but a stuck load is still visible.
+
+    Args:
+      total: bytes expected in all.
+      desc: what is loading, e.g. the file name.
+      enabled: False reports nothing.
+    """
+
+    total: int
+    desc: str = "weights"
+    enabled: bool = True
+    done: int = attrs.field(default=0, init=False)
+    _bar: object = attrs.field(default=None, init=False)
+    _start: float = attrs.field(default=0.0, init=False)
+    _next_log: int = attrs.field(default=1, init=False)  # the next tenth to log
+
+    def __enter__(self) -> "LoadProgress":
+        self._start = time.perf_counter()
+        if self.enabled and sys.stderr is not None and sys.stderr.isatty():
+            import tqdm
+
+            self._bar = tqdm.tqdm(
+                total=self.total, desc=self.desc, unit="B", unit_scale=True, file=sys.stderr, leave=False
+            )
+        return self
+
+    def advance(self, n_bytes: int) -> None:
+        """Count ``n_bytes`` more as loaded."""
+        self.done += n_bytes
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(n_bytes)
+            return
+        tenths = 10 * self.done // max(self.total, 1)
+        if tenths >= self._next_log:
+            self._next_log = tenths + 1
+            log.info(
+                "loading %s: %s / %s (%d%%) in %.1fs",
+                self.desc, _human(self.done), _human(self.total),
+                100 * self.done // max(self.total, 1), time.perf_counter() - self._start,
+            )
+
+    def __exit__(self, *exc_info) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,271 @@
+"""GGUF files (llama.cpp's format): config from metadata, weights dequantized to HF names and layout.
+
+The reader is memory-mapped, so a tensor is read from disk only when it is
+dequantized, and only one dequantized tensor exists at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import pathlib
+import re
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from spark.engine.config import ModelConfig, RopeScaling
+from spark.engine.errors import ModelLoadError
+
+# GGUF architecture -> Spark arch. Mistral GGUFs say "llama": same block.
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# Llama-3 frequency scaling, which llama.cpp stores as a tensor rather than as metadata.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF name of a GGUF tensor; unknown names come back unchanged (and fail validation)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m[2] in _BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}"
+    return gguf_name
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A memory-mapped reader for ``path``, shared between calls while the file is unchanged.
+
+    Parsing the header of a model with a 50k-token vocabulary takes seconds
+    (every string becomes a numpy view), so the config reader, the weight
+    loader and the tokenizer should not each pay for it.
+
+    Raises:
+      ModelLoadError: missing file, bad magic, truncated or corrupt header.
+    """
+    path = pathlib.Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelLoadError(path, f"cannot read file ({e.strerror or e})") from e
+    return _open_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails in many ways on a damaged file
+        raise ModelLoadError(path, f"truncated or corrupt GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _meta(reader: gguf.GGUFReader, path, key: str, default: Any = ...) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default is ...:
+            raise ModelLoadError(path, f"GGUF metadata lacks {key}")
+        return default
+    value = field.contents()
+    if isinstance(value, list):  # per-layer values (head counts); Spark needs them uniform
+        if not value or any(v != value[0] for v in value):
+            raise ModelLoadError(path, f"{key} varies per layer ({value[:4]}...), which Spark does not support")
+        value = value[0]
+    return value
+
+
+def _f32(value: float) -> float:
+    """GGUF stores these as float32: take the shortest decimal that round-trips (1e-5, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
+    """Read a ``ModelConfig`` from a GGUF file's metadata (and tensor list).
+
+    Raises:
+      ModelLoadError: unreadable file, unsupported architecture or rope scaling, missing metadata.
+    """
+    reader = open_gguf(path)
+    gguf_arch = _meta(reader, path, "general.architecture")
+    if gguf_arch not in _ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {gguf_arch!r} (supported GGUF archs: {', '.join(_ARCHS)})")
+    arch = _ARCHS[gguf_arch]
+
+    def meta(key: str, default: Any = ...) -> Any:
+        return _meta(reader, path, f"{gguf_arch}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(path, "attention.value_length differs from key_length, which Spark does not support")
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(path, "partial rotary embedding (rope.dimension_count != head_dim) is not supported")
+    vocab = meta("vocab_size", None)
+    if vocab is None:
+        embd = tensors.get("token_embd.weight")
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        if embd is None and tokens is None:
+            raise ModelLoadError(path, "GGUF has neither a vocab size, token_embd.weight nor a token list")
+        vocab = int(embd.shape[1]) if embd is not None else len(tokens.data)
+    rope_theta = _f32(meta("rope.freq_base", 10000.0))
+
+    scaling_type = meta("rope.scaling.type", "none")
+    if scaling_type != "none" and float(meta("rope.scaling.factor", 1.0)) != 1.0:
+        raise ModelLoadError(path, f"unsupported rope scaling type {scaling_type!r}")
+    rope_scaling = None
+    if ROPE_FREQS in tensors:
+        factors = gguf.quants.dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
+        rope_scaling = rope_scaling_from_factors(path, np.asarray(factors, np.float64).ravel(), rope_theta, head_dim)
+
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):  # llama.cpp stops on all of them
+        tok = _meta(reader, path, f"tokenizer.ggml.{key}", None)
+        if tok is not None and int(tok) not in eos:
+            eos.append(int(tok))
+    bos = _meta(reader, path, "tokenizer.ggml.bos_token_id", None)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=arch == "qwen3",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def llama3_factors(s: RopeScaling, rope_theta: float, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors [head_dim // 2] that Llama-3 scaling applies (what llama.cpp stores)."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    medium = 1.0 / ((1 - smooth) / s.factor + smooth)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, s.factor, medium))
+
+
+def rope_scaling_from_factors(path, factors: np.ndarray, rope_theta: float, head_dim: int) -> RopeScaling | None:
+    """Recover Llama-3 ``RopeScaling`` from llama.cpp's ``rope_freqs`` tensor.
+
+    Only the two wavelength thresholds matter (``original_max / low`` and
+    ``original_max / high``), so ``original_max_position_embeddings`` is fixed
+    at Llama-3's 8192 and the two factors are fitted to the smooth band: there
+    ``1/f = (1-s)/factor + s`` with ``s`` linear in the frequency. The result
+    is checked by recomputing the factors.
+    """
+    if factors.shape != (head_dim // 2,):
+        raise ModelLoadError(path, f"{ROPE_FREQS} has shape {factors.shape}, expected ({head_dim // 2},)")
+    if np.allclose(factors, 1.0):
+        return None
+    factor, orig = float(factors.max()), 8192
+    candidates = [RopeScaling(factor, 1.0, 4.0, orig)]  # Llama 3.1/3.2/3.3 all use these
+    x = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / (2 * math.pi)  # 1/wavelen
+    band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if band.sum() >= 2 and factor > 1:
+        s = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(x[band], s, 1)  # s = a * x + b = (x - 1/low_wavelen) / (1/high_wavelen - 1/low_wavelen)
+        if a > 0:
+            candidates.append(RopeScaling(factor, float(-b / a * orig), float((1 - b) / a * orig), orig))
+    for cand in candidates:
+        if cand.high_freq_factor > cand.low_freq_factor and np.allclose(
+            llama3_factors(cand, rope_theta, head_dim), factors, rtol=1e-4
+        ):
+            return cand
+    raise ModelLoadError(path, f"{ROPE_FREQS} does not follow Llama-3 rope scaling; Spark cannot use it")
+
+
+def check_types(path, reader: gguf.GGUFReader) -> None:
+    """Fail early, before any weight is loaded, on a tensor type ``gguf.quants`` cannot dequantize."""
+    probed = set()
+    for t in reader.tensors:
+        if t.tensor_type in probed:
+            continue
+        data = t.data.view(np.ndarray)
+        probe = data if data.ndim < 2 else data[:1]  # one row is enough to know
+        try:
+            gguf.quants.dequantize(probe, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(path, f"tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized") from e
+        probed.add(t.tensor_type)
+
+
+def gguf_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF shape of every weight in the file (the rope factors tensor excluded)."""
+    reader = open_gguf(path)
+    check_types(path, reader)
+    return {hf_name(t.name): tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors if t.name != ROPE_FREQS}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (pairs interleaved per head) back to HF's halves.
+
+    Its converter stores rows as [head, pair, 2] where HF has [head, 2, pair]
+    (reshape to (n_head, 2, rows/n_head/2, ...) then swapaxes(1, 2)); the
+    inverse swaps the same two axes back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(path: str | os.PathLike, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 CPU tensor in HF layout), one tensor at a time, in file order."""
+    reader = open_gguf(path)
+    permuted = reader.get_field("general.architecture").contents() == "llama"
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue
+        name = hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        try:
+            # A plain-ndarray view of the map: numpy's memmap subclass costs ~1 s per 100M params in slicing.
+            w = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type).reshape(shape)
+        except Exception as e:
+            raise ModelLoadError(path, f"cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, config.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, config.num_kv_heads)
+        if not w.flags.writeable:  # F32 dequantizes to a view of the read-only map
+            w = w.copy()
+        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
