@@ -171,12 +171,19 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary (size {self.config.vocab_size})")
+        bad_bias = [t for t, _ in params.logit_bias if t >= self.config.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token id {bad_bias[0]} outside the vocabulary (size {self.config.vocab_size})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         self._seqs[seq_id] = _Sequence(list(prompt_ids), params, seed)
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         """Forget a sequence (finished sequences are forgotten on their own)."""
         self._seqs.pop(seq_id, None)
+
+    def reset_computed(self, seq_id: Hashable) -> None:
+        """The sequence lost its pages (preempted): recompute all its tokens from the next step on."""
+        self._seqs[seq_id].num_computed = 0
 
     def num_uncomputed(self, seq_id: Hashable) -> int:
         """Tokens of ``seq_id`` known but not yet in the cache (the prompt left, or 1 when decoding)."""
@@ -243,7 +250,7 @@ class Engine:
         batch = SamplingBatch(
             params=tuple(s.params for s in seqs),
             token_histories=tuple(
-                (tuple(s.prompt_ids), tuple(s.output_ids)) if _needs_history(s.params) else ((), ())
+                (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
                 for s in seqs
             ),
             seeds=tuple(s.seed for s in seqs),
@@ -335,10 +342,6 @@ class Engine:
             for i in range(len(prompts)):
                 self.remove_sequence((base, i))
         return results
-
-
-def _needs_history(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _inv_freq_on(config: ModelConfig, device) -> torch.Tensor:

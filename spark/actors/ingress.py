@@ -1,0 +1,112 @@
+"""The ingress: the system's front door for the HTTP layer.
+
+``submit`` checks a request against the limits (context, KV pool, rate),
+opens the request's own output channel and queues it for the scheduler —
+all synchronously, so a refusal (400/429/503) is answered at once and a full
+queue never grows. Tokenizing stays with the HTTP handlers, which know each
+API's prompt shape. The returned ``RequestStream`` is how a handler reads the
+output; leaving it early cancels the request.
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+
+from spark.actors.messages import Cancel, GenerateRequest, RequestOutput, Submission
+from spark.actors.rate_limiter import RateLimiter
+
+
+class SubmitError(Exception):
+    """A request refused before it started: ``status`` 400/429/503, ``retry_after`` seconds or None."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+
+class RequestStream:
+    """The pieces of one request. ``async with`` it; leaving before the end cancels the request."""
+
+    def __init__(self, request_id: str, pieces: trio.MemoryReceiveChannel, cancels: trio.MemorySendChannel):
+        self.request_id = request_id
+        self._pieces = pieces
+        self._cancels = cancels
+        self.finished = False
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            # Shielded: this runs while the handler is being cancelled (client gone).
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._cancels.send(Cancel(self.request_id))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the system is shutting down
+        await self._pieces.aclose()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            piece: RequestOutput = await self._pieces.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self.finished = True
+            raise StopAsyncIteration from None
+        if piece.finish_reason is not None:
+            self.finished = True
+        return piece
+
+
+class Ingress:
+    def __init__(
+        self,
+        admissions: trio.MemorySendChannel,
+        cancels: trio.MemorySendChannel,
+        *,
+        max_model_len: int,
+        max_tokens_in_cache: int,
+        rate_limiter: RateLimiter,
+        metrics,
+    ):
+        self._admissions = admissions
+        self._cancels = cancels
+        self.max_model_len = max_model_len
+        self.max_tokens_in_cache = max_tokens_in_cache
+        self.rate_limiter = rate_limiter
+        self._metrics = metrics
+
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Queue ``request``; raises ``SubmitError`` when it is refused."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise SubmitError(400, "invalid_request_error", "the prompt is empty")
+        limit = min(self.max_model_len, self.max_tokens_in_cache)
+        if n >= limit:
+            raise SubmitError(
+                400, "context_length_exceeded",
+                f"the prompt has {n} tokens; this model's context holds {limit} (prompt + at least 1 new token)",
+            )
+        now = trio.current_time()
+        if request.api_key is not None:
+            wait = self.rate_limiter.check(request.api_key, n + request.params.max_tokens, now)
+            if wait is not None:
+                retry = 3600.0 if math.isinf(wait) else wait
+                raise SubmitError(429, "rate_limit_exceeded", "rate limit reached for this API key", retry_after=retry)
+        pieces_send, pieces = trio.open_memory_channel(request.params.max_tokens + 8)
+        try:
+            self._admissions.send_nowait(Submission(request, pieces_send, now))
+        except trio.WouldBlock:
+            raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0) from None
+        self._metrics.prompt_tokens.inc(n)
+        return RequestStream(request.request_id, pieces, self._cancels.clone())

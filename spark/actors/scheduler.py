@@ -1,0 +1,170 @@
+"""The scheduler actor: admits requests, plans each engine step, routes its tokens.
+
+It owns the ``SchedulerPolicy`` (and through it the KV page allocator). The
+admission channel *is* the waiting queue: requests are taken from it only when
+the batch has room, so its bound is the queue's bound and the ingress answers
+503 at once when it is full. Cancellations come on their own channel and are
+applied between steps, so a departed client's pages are back in the pool
+within one step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import trio
+
+from spark.actors.messages import (
+    Failed, StepResult, StepWork, StreamOpen, Submission, TokenBatch,
+)
+from spark.actors.scheduler_policy import SchedulerPolicy, SeqState
+from spark.engine.engine import ScheduledChunk, StepPlan
+from spark.metrics import Metrics
+
+log = logging.getLogger("spark.scheduler")
+
+_MAX_EARLY_CANCELS = 10_000
+
+
+class _State:
+    def __init__(self, policy: SchedulerPolicy):
+        self.policy = policy
+        self.cancelled: OrderedDict[str, None] = OrderedDict()  # ids cancelled, not yet applied
+        self.wake = trio.Event()
+        self.added: list = []  # sequences to register with the engine in the next step
+        self.removed: list[str] = []  # sequences the engine must forget
+        self.active: set[str] = set()
+
+
+async def run(
+    policy: SchedulerPolicy,
+    admissions: trio.MemoryReceiveChannel,
+    cancels: trio.MemoryReceiveChannel,
+    to_runner: trio.MemorySendChannel,
+    from_runner: trio.MemoryReceiveChannel,
+    to_streamer: trio.MemorySendChannel,
+    metrics: Metrics,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    state = _State(policy)
+    metrics.kv_pages_total.set(policy.allocator.num_total)
+    async with admissions, cancels, to_runner, from_runner, to_streamer, trio.open_nursery() as nursery:
+        nursery.start_soon(_listen_for_cancels, cancels, state)
+        task_status.started()
+        while True:
+            _apply_cancels(state)
+            await _admit(state, admissions, to_streamer, block=policy.num_active == 0)
+            _apply_cancels(state)
+            metrics.requests_waiting.set(admissions.statistics().current_buffer_used + len(policy.waiting))
+            now = trio.current_time()
+            planned = policy.schedule(now)
+            if not planned:
+                await _unblock(state, to_streamer)
+                continue
+            for p in planned:
+                if p.seq.started == now and p.seq.num_computed == 0:
+                    metrics.queue_time.observe(now - p.seq.arrival)
+            work = StepWork(
+                StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned)),
+                added=tuple(state.added), removed=tuple(state.removed), reset=tuple(policy.preempted),
+            )
+            state.added.clear()
+            state.removed.clear()
+            metrics.requests_running.set(len(planned))
+            await to_runner.send(work)
+            result: StepResult = await from_runner.receive()
+            await _account(state, planned, result, to_streamer)
+            metrics.kv_pages_used.set(policy.allocator.num_used)
+            metrics.requests_running.set(len(policy.running))
+
+
+async def _listen_for_cancels(cancels: trio.MemoryReceiveChannel, state: _State) -> None:
+    async for msg in cancels:
+        state.cancelled[msg.request_id] = None
+        while len(state.cancelled) > _MAX_EARLY_CANCELS:
+            state.cancelled.popitem(last=False)
+        state.wake.set()
+
+
+def _apply_cancels(state: _State) -> None:
+    """End cancelled requests that are active; keep the others for when they are taken from the queue."""
+    for request_id in [r for r in state.cancelled if r in state.active]:
+        del state.cancelled[request_id]
+        _end(state, request_id)
+
+
+def _end(state: _State, request_id: str) -> None:
+    state.policy.finish(request_id)
+    state.active.discard(request_id)
+    state.removed.append(request_id)
+
+
+async def _admit(state: _State, admissions, to_streamer, *, block: bool) -> None:
+    """Take queued requests while the batch has room; wait for one when idle."""
+    policy = state.policy
+    while policy.has_room():
+        if block:
+            sub: Submission = await _receive_or_wake(admissions, state)
+            block = False
+            if sub is None:
+                return
+        else:
+            try:
+                sub = admissions.receive_nowait()
+            except trio.WouldBlock:
+                return
+        req = sub.request
+        if state.cancelled.pop(req.request_id, 1) is None:
+            sub.out.close()
+            continue  # its client left while it was queued
+        state.active.add(req.request_id)
+        state.added.append((req.request_id, req.prompt_ids, req.params))
+        policy.add(SeqState(req.request_id, len(req.prompt_ids), sub.arrival))
+        await to_streamer.send(StreamOpen(sub))
+
+
+async def _receive_or_wake(admissions, state: _State):
+    state.wake = trio.Event()
+    return await admissions.receive()
+
+
+async def _account(state: _State, planned, result: StepResult, to_streamer) -> None:
+    policy = state.policy
+    now = trio.current_time()
+    if result.error is not None:
+        for p in planned:
+            _end(state, p.seq.request_id)
+            await to_streamer.send(Failed(p.seq.request_id, result.error))
+        return
+    policy.on_step_done(planned, (o.seq_id for o in result.outputs), now, result.seconds)
+    for out in result.outputs:
+        if out.finish_reason is not None:
+            # the engine forgot it already; only the pages and our records remain
+            policy.finish(out.seq_id)
+            state.active.discard(out.seq_id)
+    await to_streamer.send(TokenBatch(result.outputs, now))
+
+
+async def _unblock(state: _State, to_streamer) -> None:
+    """Nothing could be planned: no sequence runs and the head of the queue cannot get pages.
+
+    Partial prefills of other waiting sequences hold the pages: release them;
+    if the head still cannot start, it can never fit, and fails.
+    """
+    policy = state.policy
+    if policy.running:
+        await trio.sleep(0)
+        return
+    head = policy.waiting[0]
+    for seq in list(policy.waiting)[1:]:
+        if policy.allocator.has(seq.request_id):
+            policy.allocator.free(seq.request_id)
+            seq.num_computed = 0
+            policy.preempted.append(seq.request_id)
+    if policy.allocator.can_allocate(head.request_id, head.num_computed + 1):
+        return
+    log.warning("request %s does not fit in the KV cache", head.request_id)
+    _end(state, head.request_id)
+    await to_streamer.send(Failed(head.request_id, "the request does not fit in the KV cache"))

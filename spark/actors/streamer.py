@@ -1,0 +1,150 @@
+"""The streamer actor: tokens -> text pieces for each request's stream.
+
+Per request it keeps an incremental detokenizer and a stop-string matcher:
+text that could still be the start of a stop string is held back, so a client
+never sees part of one; when one matches, the output ends just before it and
+the scheduler is told to free the request's pages. It also records the
+latency metrics, since it sees every token as it leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import trio
+
+from spark.actors.messages import (
+    Cancel, Failed, RequestOutput, StreamOpen, Submission, TokenBatch, TokenLogprob,
+)
+from spark.engine.detokenizer import IncrementalDetokenizer
+from spark.engine.engine import TokenOutput
+from spark.metrics import Metrics
+
+log = logging.getLogger("spark.streamer")
+
+
+class StopMatcher:
+    """Finds stop strings across piece boundaries, holding back what might begin one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Returns (text safe to emit now, the stop string that matched or None)."""
+        if not self.stops:
+            return text, None
+        buf = self.held + text
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            index, stop = min(hits)
+            self.held = ""
+            return buf[:index], stop
+        keep = 0
+        for s in self.stops:  # longest suffix of buf that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep], None
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@attrs.define(eq=False)
+class _Stream:
+    submission: Submission
+    detok: IncrementalDetokenizer | None
+    stop: StopMatcher
+    num_output: int = 0
+    last_time: float | None = None
+
+
+async def run(
+    tokenizer,
+    inbox: trio.MemoryReceiveChannel,
+    cancels: trio.MemorySendChannel,
+    metrics: Metrics,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    streams: dict[str, _Stream] = {}
+    async with inbox, cancels:
+        task_status.started()
+        async for msg in inbox:
+            if isinstance(msg, StreamOpen):
+                req = msg.submission.request
+                detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
+                streams[req.request_id] = _Stream(msg.submission, detok, StopMatcher(req.stop))
+            elif isinstance(msg, TokenBatch):
+                for out in msg.outputs:
+                    stream = streams.get(out.seq_id)
+                    if stream is None:
+                        continue  # ended here already (stop string): the scheduler is dropping it
+                    if _on_token(stream, out, msg.time, tokenizer, metrics):
+                        del streams[out.seq_id]
+                        if out.finish_reason is None:  # a stop string ended it, not the engine
+                            await cancels.send(Cancel(out.seq_id))
+            elif isinstance(msg, Failed):
+                stream = streams.pop(msg.request_id, None)
+                if stream is not None:
+                    _send(stream, RequestOutput(
+                        msg.request_id, "", (), finish_reason="error", error=msg.error,
+                        num_prompt_tokens=len(stream.submission.request.prompt_ids), num_output_tokens=stream.num_output,
+                    ), close=True)
+
+
+def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics: Metrics) -> bool:
+    """Turn one token into a piece on the request's channel. Returns True when the stream ended."""
+    sub = stream.submission
+    req = sub.request
+    stream.num_output += 1
+    metrics.generation_tokens.inc()
+    if stream.last_time is None:
+        metrics.time_to_first_token.observe(now - sub.arrival)
+    else:
+        metrics.inter_token_latency.observe(now - stream.last_time)
+    stream.last_time = now
+    text = stream.detok.push(out.token_id) if stream.detok else ""
+    if out.finish_reason is not None and stream.detok:
+        text += stream.detok.flush()
+    text, stop = stream.stop.feed(text)
+    finish = "stop" if stop is not None else out.finish_reason
+    if finish is not None and stop is None:
+        text += stream.stop.flush()
+    logprobs = ()
+    if req.params.logprobs is not None and out.logprob is not None:
+        logprobs = (TokenLogprob(
+            out.token_id, _token_text(tokenizer, out.token_id), out.logprob,
+            tuple((t, _token_text(tokenizer, t), lp) for t, lp in out.top_logprobs),
+        ),)
+    piece = RequestOutput(
+        req.request_id, text, (out.token_id,), logprobs, finish_reason=finish, stop_string=stop,
+        num_prompt_tokens=len(req.prompt_ids), num_output_tokens=stream.num_output,
+    )
+    if finish is not None:
+        metrics.e2e_request_latency.observe(now - sub.arrival)
+    _send(stream, piece, close=finish is not None)
+    return finish is not None
+
+
+def _send(stream: _Stream, piece: RequestOutput, *, close: bool) -> None:
+    # The request's channel holds max_tokens pieces, so this never blocks the
+    # streamer on one slow client; a client that left has closed its end.
+    out: trio.MemorySendChannel = stream.submission.out
+    try:
+        out.send_nowait(piece)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    except trio.WouldBlock:
+        log.warning("stream %s is full; dropping a piece", piece.request_id)
+    if close:
+        out.close()
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer else ""

@@ -1,0 +1,123 @@
+"""The wiring: every actor and channel of Spark, top to bottom.
+
+    HTTP handler --submit()--> ingress --admissions--> scheduler --work--> GPU runner
+                                                        ^   |  <--results--'
+                      handler/streamer --cancels--------'   '--stream--> streamer --pieces--> handler
+
+Use:
+
+    async with open_system(engine, config) as system:
+        stream = system.submit(GenerateRequest(...))      # raises SubmitError at once when refused
+        async with stream:                                 # leaving early cancels the request
+            async for piece in stream:                     # RequestOutput pieces; the last has finish_reason
+                ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import trio
+
+from spark.actors import gpu_runner, scheduler, streamer
+from spark.actors.ingress import Ingress, RequestStream, SubmitError
+from spark.actors.messages import GenerateRequest
+from spark.actors.rate_limiter import RateLimiter
+from spark.actors.scheduler_policy import SchedulerPolicy
+from spark.engine.sampling import SamplingParams
+from spark.metrics import Metrics
+from spark.serve_config import ServeConfig
+
+__all__ = ["SparkSystem", "SubmitError", "open_system"]
+
+log = logging.getLogger("spark.system")
+
+
+class SparkSystem:
+    """What the HTTP layer holds: ``submit``, the tokenizer, names, limits, health and metrics."""
+
+    def __init__(self, ingress: Ingress, *, engine, config: ServeConfig, metrics: Metrics, served_name: str):
+        self._ingress = ingress
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.config = config
+        self.metrics = metrics
+        self.served_name = served_name
+        self.ready = False
+        self._ids = itertools.count()
+
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        return self._ingress.submit(request)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def preflight(self) -> None:
+        """One real request through every actor and one engine step; raises if it fails."""
+        prompt = (self.tokenizer.bos_token_id or 0,) if self.tokenizer else (0,)
+        request = GenerateRequest(self.new_request_id("preflight"), prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        async with self.submit(request) as stream:
+            async for piece in stream:
+                if piece.finish_reason == "error":
+                    raise RuntimeError(f"preflight failed: {piece.error}")
+        self.ready = True
+
+
+@asynccontextmanager
+async def open_system(
+    engine,
+    config: ServeConfig,
+    *,
+    execute: gpu_runner.Executor | None = None,
+    served_name: str | None = None,
+) -> AsyncIterator[SparkSystem]:
+    """Start the actors around ``engine``; stop them when the block ends.
+
+    Args:
+        engine: a loaded ``spark.engine.Engine`` (or a double with its verbs).
+        config: limits and policies (``ServeConfig``).
+        execute: how a step runs; by default in a worker thread. Simulations pass
+            one that advances a mock clock instead.
+    """
+    metrics = Metrics()
+    allocator = engine.new_page_allocator()
+    policy = SchedulerPolicy(
+        allocator,
+        policy=config.scheduler,
+        max_batch_size=config.max_batch_size,
+        max_prefill_tokens=config.max_prefill_tokens,
+        tbt_deadline=config.tbt_deadline_ms / 1000.0,
+    )
+    admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
+    cancels_send, cancels_recv = trio.open_memory_channel(1024)
+    work_send, work_recv = trio.open_memory_channel(1)
+    results_send, results_recv = trio.open_memory_channel(1)
+    stream_send, stream_recv = trio.open_memory_channel(256)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(gpu_runner.run, execute or gpu_runner.thread_executor(engine), work_recv, results_send)
+        await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
+        await nursery.start(
+            scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics
+        )
+        ingress = Ingress(
+            admissions_send,
+            cancels_send,
+            max_model_len=engine.max_model_len,
+            max_tokens_in_cache=allocator.num_total * allocator.page_size,
+            rate_limiter=RateLimiter(config.rate_limit_rps, config.rate_limit_tpm, config.rate_limit_max_keys),
+            metrics=metrics,
+        )
+        system = SparkSystem(
+            ingress, engine=engine, config=config, metrics=metrics,
+            served_name=served_name or config.served_name or "spark",
+        )
+        await system.preflight()
+        log.info("actors up: policy=%s max_batch=%d pages=%d", config.scheduler, config.max_batch_size, allocator.num_total)
+        try:
+            yield system
+        finally:
+            nursery.cancel_scope.cancel()

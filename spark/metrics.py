@@ -1,0 +1,30 @@
+"""Prometheus metrics of one actor system, in a registry of its own (tests run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "spark_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "spark_inter_token_latency_seconds", "Gap between consecutive tokens of a stream", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e_request_latency = Histogram(
+            "spark_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "spark_queue_time_seconds", "Arrival to the start of prefill", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.requests_running = Gauge("spark_requests_running", "Sequences being computed", registry=r)
+        self.requests_waiting = Gauge("spark_requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_pages_used = Gauge("spark_kv_pages_used", "KV cache pages held by sequences", registry=r)
+        self.kv_pages_total = Gauge("spark_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.prompt_tokens = Counter("spark_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("spark_generation_tokens", "Tokens generated", registry=r)
