@@ -1,0 +1,103 @@
+"""The ``spark`` command: generate, serve, chat.
+
+Errors a user can fix (a missing model file, a bad flag value) end the command
+with one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print it")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="default", help="a .gguf file, an HF directory, 'default' or 'dummy:<preset>'")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message via the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    gen.add_argument("--json", action="store_true", help='print {"text", "token_ids", "prompt_token_ids"}')
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    srv.add_argument("--host", default=None)
+    srv.add_argument("--port", type=int, default=None)
+    srv.add_argument("--model", default=None)
+    srv.add_argument("--served-name", default=None)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--max-batch-size", type=int, default=None)
+    srv.add_argument("--max-prefill-tokens", type=int, default=None)
+    srv.add_argument("--scheduler", choices=("fifo", "slai"), default=None)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--api-key", action="append", default=None, help="accepted Bearer key (repeatable)")
+
+    chat = sub.add_parser("chat", help="talk to a model in the terminal")
+    chat.add_argument("--url", default=None, help="a running Spark server (default: start the default model here)")
+    chat.add_argument("--model", default="default")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from spark.engine.errors import ModelLoadError
+
+    try:
+        return {"generate": _generate, "serve": _serve, "chat": _chat}[args.command](args)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"spark: {exc}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    from spark.engine.engine import Engine
+    from spark.engine.sampling import SamplingParams
+
+    engine = Engine.load(args.model, device=args.device)
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError(f"{args.model}: has no tokenizer; spark generate needs text")
+    if args.chat:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+    outputs = engine.generate([prompt_ids], params)[0]
+    token_ids = [o.token_id for o in outputs]
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids, "prompt_token_ids": list(prompt_ids)}, ensure_ascii=False))
+    else:
+        print(text)
+    return 0
+
+
+def _serve(args) -> int:
+    from spark.http.serve import serve
+    from spark.serve_config import ServeConfig
+
+    config = ServeConfig.from_env(
+        host=args.host, port=args.port, model=args.model, served_name=args.served_name, device=args.device,
+        max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
+        scheduler=args.scheduler, max_model_len=args.max_model_len,
+        api_keys=tuple(args.api_key) if args.api_key else None,
+    )
+    serve(config)
+    return 0
+
+
+def _chat(args) -> int:
+    from spark.chat import chat
+
+    chat(args.url, model=args.model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
