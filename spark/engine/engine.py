@@ -110,6 +110,7 @@ class Engine:
             self.config.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         )
         self._seqs: dict[Hashable, _Sequence] = {}
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
         self._seed_rng = random.Random()
 
     @classmethod
@@ -205,7 +206,7 @@ class Engine:
             return []
         ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
         page_size = self.page_size
-        for chunk in plan.chunks:
+        for row, chunk in enumerate(plan.chunks):
             s = self._seqs[chunk.seq_id]
             start, end = s.num_computed, s.num_computed + chunk.num_tokens
             if chunk.num_tokens < 1 or end > s.num_tokens:
@@ -219,18 +220,34 @@ class Engine:
             qsl.append(qsl[-1] + chunk.num_tokens)
             seq_lens.append(end)
             if end == s.num_tokens:
-                sample_rows.append(len(ids) - 1)
+                sample_rows.append(row)  # logits come one row per chunk: its last token
                 samplers.append(chunk.seq_id)
 
-        max_pages = max(len(c.block_table) for c in plan.chunks)
-        tables = [list(c.block_table) + [0] * (max_pages - len(c.block_table)) for c in plan.chunks]
+        decode_only = len(ids) == len(plan.chunks)
+        tables = [list(c.block_table) for c in plan.chunks]
+        logits = None
+        if decode_only and self.graphs is not None:
+            logits = self.graphs.run(ids, positions, slots, seq_lens, tables)
+        if logits is None:
+            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only)
+        for chunk in plan.chunks:
+            self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
+        if not samplers:
+            return []
+        if len(sample_rows) != logits.shape[0]:
+            logits = logits[torch.tensor(sample_rows, device=self.device)]
+        return self._sample(samplers, logits)
+
+    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only) -> torch.Tensor:
+        """The forward of any flat batch. Returns logits of each sequence's last row, or of every row when decoding."""
+        width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            decode_only=len(ids) == len(plan.chunks),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            decode_only=decode_only,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -238,12 +255,25 @@ class Engine:
             self.kv_cache.layers,
             meta,
         )
-        for chunk in plan.chunks:
-            self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
-        if not samplers:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        return self._sample(samplers, logits)
+        last_rows = torch.tensor(qsl[1:], device=dev) - 1  # [B]: each sequence's last new token
+        return self.model.compute_logits(hidden[last_rows])
+
+    # -- CUDA graphs ------------------------------------------------------
+    def enable_cuda_graphs(self, max_batch_size: int) -> bool:
+        """Prepare decode graphs up to ``max_batch_size`` (captured by ``capture_next_graph``). GPU only."""
+        if self.device.type != "cuda":
+            return False
+        from spark.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_cache.layers, max_batch_size=max_batch_size,
+            max_pages_per_seq=-(-self.max_model_len // self.page_size), device=self.device,
+        )
+        return True
+
+    def capture_next_graph(self) -> bool:
+        """Capture one more decode graph; False when there is nothing left to capture."""
+        return self.graphs is not None and self.graphs.capture_next()
 
     def _sample(self, seq_ids: list[Hashable], logits: torch.Tensor) -> list[TokenOutput]:
         seqs = [self._seqs[i] for i in seq_ids]

@@ -1,0 +1,161 @@
+"""Offline decode speed against the memory-bandwidth roofline, beside HF transformers.
+
+    python benchmarks/offline_decode.py [--quick] [--no-hf] [--out FILE]
+
+Dummy (random, never zero) bf16 weights of real shapes; 128-token random
+prompts, 128 new tokens, greedy, no EOS stop. Spark's decode rate is timed over
+the decode steps only (prefill excluded), after a warm-up, median of 3 runs;
+transformers' ``generate`` with a static cache runs in the same process on the
+same GPU. The roofline of a step: bytes it must move (weights once + KV read +
+KV written) over 4.25 TB/s, or FLOPs over 783 TFLOP/s, whichever is larger
+(../shared/PERF.md). Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+BANDWIDTH = 4.25e12  # bytes/s, measured device-to-device copy on one H200
+MATMUL = 783e12  # bf16 FLOP/s, measured 8192^3 on one H200
+PROMPT, NEW = 128, 128
+CASES = [("llama-3.1-8b", (1, 8, 64, 256)), ("smollm2-135m", (1, 64))]
+
+
+def roofline_tok_s(config, num_params: int, batch: int, dtype_bytes: int = 2) -> float:
+    """Tokens/s a decode step of ``batch`` sequences could reach at best, averaged over the generation."""
+    kv_tok = config.kv_bytes_per_token(dtype_bytes)
+    avg_context = PROMPT + NEW / 2
+    step_bytes = num_params * dtype_bytes + batch * avg_context * kv_tok + batch * kv_tok
+    step_flops = 2 * num_params * batch + 4 * batch * avg_context * config.num_heads * config.head_dim * config.num_layers
+    step_s = max(step_bytes / BANDWIDTH, step_flops / MATMUL)
+    return batch / step_s
+
+
+def spark_decode(engine, batch: int, reps: int) -> float:
+    """Median decode tokens/s of ``batch`` sequences over NEW tokens (prefill not timed)."""
+    from spark.engine.engine import ScheduledChunk, StepPlan
+    from spark.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch)
+    rates = []
+    for rep in range(reps + 1):  # the first is the warm-up
+        alloc = engine.new_page_allocator()
+        ids = [("bench", rep, i) for i in range(batch)]
+        for sid in ids:
+            engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (PROMPT,), generator=gen).tolist(), params)
+        # prefill in chunks of at most 8192 tokens
+        per_step = max(1, 8192 // PROMPT)
+        for start in range(0, batch, per_step):
+            group = ids[start:start + per_step]
+            engine.step(StepPlan(tuple(ScheduledChunk(s, PROMPT, alloc.allocate(s, PROMPT)) for s in group)))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps = 0
+        live = list(ids)
+        while live:
+            chunks = tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
+            outs = engine.step(StepPlan(chunks))
+            steps += 1
+            live = [o.seq_id for o in outs if o.finish_reason is None]
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if rep:
+            rates.append(batch * steps / seconds)
+    return statistics.median(rates)
+
+
+def hf_decode(preset_config, batch: int, new_tokens: int) -> float | None:
+    """transformers generate, static cache, same shapes; tokens/s including its prefill."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    c = preset_config
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=PROMPT + new_tokens + 8, tie_word_embeddings=c.tie_word_embeddings,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, c.vocab_size, (batch, PROMPT), device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+    model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, **kwargs)
+    torch.cuda.synchronize()
+    rate = batch * new_tokens / (time.perf_counter() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return rate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one rep, fewer batches")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="the commit measured (when the tree has no .git)")
+    args = ap.parse_args()
+    from spark.engine.engine import Engine
+
+    results = []
+    for preset, batches in CASES:
+        t0 = time.perf_counter()
+        engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model_len=PROMPT + NEW + 16,
+                             kv_cache_bytes=max(batches) * (PROMPT + NEW + 32) * 2 * 2 * 32 * 1024 * 4)
+        num_params = sum(p.numel() for p in engine.model.parameters())
+        if not args.no_graphs:
+            engine.enable_cuda_graphs(max(batches))
+            engine.graphs.capture_all()
+        print(f"{preset}: loaded and captured in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        for batch in batches:
+            tok_s = spark_decode(engine, batch, 1 if args.quick else 3)
+            roof = roofline_tok_s(engine.config, num_params, batch)
+            results.append({"bench": "offline_decode", "model": preset, "batch": batch, "tok_s": round(tok_s, 1),
+                            "roofline_tok_s": round(roof, 1), "roofline_frac": round(tok_s / roof, 3), "hf_tok_s": None})
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        config = engine.config
+        del engine
+        torch.cuda.empty_cache()
+        if not args.no_hf:
+            for r in results:
+                if r["model"] == preset:
+                    hf = hf_decode(config, r["batch"], 32 if preset == "llama-3.1-8b" and r["batch"] == 1 else NEW)
+                    r["hf_tok_s"] = None if hf is None else round(hf, 1)
+                    print(f"hf {preset} batch {r['batch']}: {r['hf_tok_s']}", file=sys.stderr, flush=True)
+
+    print(f"{'model':14} {'batch':>5} {'tok/s':>9} {'roofline':>9} {'frac':>6} {'hf tok/s':>9}")
+    for r in results:
+        print(f"{r['model']:14} {r['batch']:>5} {r['tok_s']:>9} {r['roofline_tok_s']:>9} {r['roofline_frac']:>6} {str(r['hf_tok_s']):>9}")
+    doc = {
+        "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+        "commit": args.commit or _commit(), "command": " ".join(["python"] + sys.argv), "results": results,
+    }
+    out = args.out or f"benchmarks/results/{doc['date']}-{doc['gpu'].split()[-1].lower()}.json"
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""CUDA graphs for decode steps: one per batch-size bucket, over static buffers.
+
+A decode step of B sequences is padded up to the next captured bucket: padded
+rows write no K/V (slot -1) and attend to nothing (length 0), so their output is
+discarded garbage that costs no correctness. Replaying a graph replaces the
+hundreds of kernel launches of an eager step with one, which is what makes
+small models and batch-1 decode fast on a GPU.
+
+Graphs are captured one bucket at a time (``capture_next``) so that the GPU
+runner can interleave capture with serving: the first requests run eagerly,
+then graphs take over as buckets become ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from spark.engine.attention import AttentionMetadata
+
+log = logging.getLogger("spark.cuda_graphs")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    """Static buffers and one graph per batch bucket for ``model``'s decode step."""
+
+    def __init__(self, model, kv_layers, *, max_batch_size: int, max_pages_per_seq: int, device):
+        self.model = model
+        self.kv_layers = kv_layers
+        self.buckets = [b for b in BUCKETS if b < max_batch_size] + [max_batch_size]
+        self.max_batch = self.buckets[-1]
+        n, w = self.max_batch, max_pages_per_seq
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._to_capture = sorted(self.buckets, reverse=True)  # largest first: later ones reuse its pool
+
+    @property
+    def complete(self) -> bool:
+        return not self._to_capture
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest captured bucket that holds ``batch`` rows, or None."""
+        ready = [b for b in self.graphs if b >= batch]
+        return min(ready) if ready else None
+
+    def capture_next(self) -> bool:
+        """Capture one more bucket. Returns False when all are captured."""
+        if not self._to_capture:
+            return False
+        b = self._to_capture.pop(0)
+        t0 = time.perf_counter()
+        self._reset_padding(0)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(b)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[b] = (graph, logits)
+        log.info("captured decode graph for batch %d in %.2fs", b, time.perf_counter() - t0)
+        return True
+
+    def capture_all(self) -> None:
+        while self.capture_next():
+            pass
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            decode_only=True,
+        )
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_layers, meta)
+        return self.model.compute_logits(hidden)
+
+    def _reset_padding(self, start: int) -> None:
+        self.slot_mapping[start:].fill_(-1)
+        self.seq_lens[start:].zero_()
+
+    @torch.inference_mode()
+    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]]) -> torch.Tensor | None:
+        """Replay the graph for one decode step of ``len(ids)`` sequences.
+
+        Returns:
+            logits ``[B, V]`` (a view into the graph's output; read it before the
+            next replay), or None when no captured bucket fits.
+        """
+        batch = len(ids)
+        bucket = self.bucket_for(batch)
+        width = max(len(t) for t in tables)
+        if bucket is None or width > self.block_tables.shape[1]:
+            return None
+        self.input_ids[:batch].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.positions[:batch].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
+        self.slot_mapping[:batch].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        self.seq_lens[:batch].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        self.block_tables[:batch, :width].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+        if batch < bucket:
+            self._reset_padding(batch)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:batch]
