@@ -76,6 +76,7 @@ class Ingress:
         *,
         max_model_len: int,
         max_tokens_in_cache: int,
+        vocab_size: int,
         rate_limiter: RateLimiter,
         metrics,
     ):
@@ -83,6 +84,7 @@ class Ingress:
         self._cancels = cancels
         self.max_model_len = max_model_len
         self.max_tokens_in_cache = max_tokens_in_cache
+        self.vocab_size = vocab_size
         self.rate_limiter = rate_limiter
         self._metrics = metrics
 
@@ -97,6 +99,11 @@ class Ingress:
                 400, "context_length_exceeded",
                 f"the prompt has {n} tokens; this model's context holds {limit} (prompt + at least 1 new token)",
             )
+        # Checked here, not in the engine step, so that a bad request fails alone.
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
+            raise SubmitError(400, "invalid_request_error", f"prompt token ids must lie in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t, _ in request.params.logit_bias):
+            raise SubmitError(400, "invalid_request_error", f"logit_bias token ids must lie in [0, {self.vocab_size})")
         now = trio.current_time()
         if request.api_key is not None:
             wait = self.rate_limiter.check(request.api_key, n + request.params.max_tokens, now)

@@ -108,7 +108,8 @@ class TokenBatch:
 
 @attrs.frozen
 class Failed:
-    """Scheduler -> streamer: a request ended with an error of the server's."""
+    """Scheduler -> streamer: a request ended by the server (an error, or the KV pool full)."""
 
     request_id: str
     error: str
+    reason: str = "error"  # the finish_reason the client sees: "error" or "length"

@@ -34,6 +34,7 @@ class _State:
         self.wake = trio.Event()
         self.added: list = []  # sequences to register with the engine in the next step
         self.removed: list[str] = []  # sequences the engine must forget
+        self.reset: list[str] = []  # preempted sequences the engine must recompute
         self.active: set[str] = set()
 
 
@@ -55,29 +56,32 @@ async def run(
         task_status.started()
         while True:
             _apply_cancels(state)
+            _update_gauges(state, metrics)
             await _admit(state, admissions, to_streamer, block=policy.num_active == 0)
             _apply_cancels(state)
             metrics.requests_waiting.set(admissions.statistics().current_buffer_used + len(policy.waiting))
             now = trio.current_time()
             planned = policy.schedule(now)
+            state.reset.extend(policy.preempted)
             if not planned:
                 await _unblock(state, to_streamer)
+                _update_gauges(state, metrics)
                 continue
             for p in planned:
                 if p.seq.started == now and p.seq.num_computed == 0:
                     metrics.queue_time.observe(now - p.seq.arrival)
             work = StepWork(
                 StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned)),
-                added=tuple(state.added), removed=tuple(state.removed), reset=tuple(policy.preempted),
+                added=tuple(state.added), removed=tuple(state.removed), reset=tuple(state.reset),
             )
             state.added.clear()
             state.removed.clear()
+            state.reset.clear()
             metrics.requests_running.set(len(planned))
             await to_runner.send(work)
             result: StepResult = await from_runner.receive()
             await _account(state, planned, result, to_streamer)
-            metrics.kv_pages_used.set(policy.allocator.num_used)
-            metrics.requests_running.set(len(policy.running))
+            _update_gauges(state, metrics)
 
 
 async def _listen_for_cancels(cancels: trio.MemoryReceiveChannel, state: _State) -> None:
@@ -98,7 +102,16 @@ def _apply_cancels(state: _State) -> None:
 def _end(state: _State, request_id: str) -> None:
     state.policy.finish(request_id)
     state.active.discard(request_id)
-    state.removed.append(request_id)
+    not_yet_added = [a for a in state.added if a[0] == request_id]
+    if not_yet_added:  # the engine never saw it: nothing to forget
+        state.added.remove(not_yet_added[0])
+    else:
+        state.removed.append(request_id)
+
+
+def _update_gauges(state: _State, metrics: Metrics) -> None:
+    metrics.kv_pages_used.set(state.policy.allocator.num_used)
+    metrics.requests_running.set(len(state.policy.running))
 
 
 async def _admit(state: _State, admissions, to_streamer, *, block: bool) -> None:
@@ -121,7 +134,7 @@ async def _admit(state: _State, admissions, to_streamer, *, block: bool) -> None
             continue  # its client left while it was queued
         state.active.add(req.request_id)
         state.added.append((req.request_id, req.prompt_ids, req.params))
-        policy.add(SeqState(req.request_id, len(req.prompt_ids), sub.arrival))
+        policy.add(SeqState(req.request_id, len(req.prompt_ids), sub.arrival, prompt_len=len(req.prompt_ids)))
         await to_streamer.send(StreamOpen(sub))
 
 
@@ -154,17 +167,21 @@ async def _unblock(state: _State, to_streamer) -> None:
     if the head still cannot start, it can never fit, and fails.
     """
     policy = state.policy
-    if policy.running:
-        await trio.sleep(0)
+    if policy.running or not policy.waiting:
+        await trio.sleep(0)  # (everything was cancelled) let the other tasks run
         return
     head = policy.waiting[0]
     for seq in list(policy.waiting)[1:]:
         if policy.allocator.has(seq.request_id):
             policy.allocator.free(seq.request_id)
             seq.num_computed = 0
-            policy.preempted.append(seq.request_id)
+            state.reset.append(seq.request_id)
     if policy.allocator.can_allocate(head.request_id, head.num_computed + 1):
         return
-    log.warning("request %s does not fit in the KV cache", head.request_id)
     _end(state, head.request_id)
-    await to_streamer.send(Failed(head.request_id, "the request does not fit in the KV cache"))
+    if head.num_tokens > head.prompt_len:
+        # it generated until its tokens filled the whole pool: that is its length limit
+        await to_streamer.send(Failed(head.request_id, "the KV cache is full", reason="length"))
+    else:
+        log.warning("request %s does not fit in the KV cache", head.request_id)
+        await to_streamer.send(Failed(head.request_id, "the request does not fit in the KV cache"))

@@ -36,6 +36,7 @@ class SeqState:
     num_tokens: int  # known tokens: prompt, then + each sampled token
     arrival: float
     num_computed: int = 0  # tokens whose K/V are in the cache
+    prompt_len: int = 0
     last_token_time: float | None = None
     started: float | None = None  # when its first prefill chunk was scheduled
 

@@ -36,9 +36,11 @@ class StopMatcher:
         if not self.stops:
             return text, None
         buf = self.held + text
-        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        # The stop that *completes* first wins (then the earliest start): that is
+        # the one a token-by-token reader meets first, whatever the piece sizes.
+        hits = [(buf.find(s) + len(s), buf.find(s), s) for s in self.stops if s in buf]
         if hits:
-            index, stop = min(hits)
+            _, index, stop = min(hits)
             self.held = ""
             return buf[:index], stop
         keep = 0
@@ -92,8 +94,12 @@ async def run(
             elif isinstance(msg, Failed):
                 stream = streams.pop(msg.request_id, None)
                 if stream is not None:
+                    text = ""
+                    if msg.reason == "length" and stream.detok:  # a normal end: release held text
+                        text = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush()
                     _send(stream, RequestOutput(
-                        msg.request_id, "", (), finish_reason="error", error=msg.error,
+                        msg.request_id, text, (), finish_reason=msg.reason,
+                        error=msg.error if msg.reason == "error" else None,
                         num_prompt_tokens=len(stream.submission.request.prompt_ids), num_output_tokens=stream.num_output,
                     ), close=True)
 

@@ -108,6 +108,7 @@ async def open_system(
             cancels_send,
             max_model_len=engine.max_model_len,
             max_tokens_in_cache=allocator.num_total * allocator.page_size,
+            vocab_size=engine.vocab_size,
             rate_limiter=RateLimiter(config.rate_limit_rps, config.rate_limit_tpm, config.rate_limit_max_keys),
             metrics=metrics,
         )

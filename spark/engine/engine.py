@@ -154,6 +154,10 @@ class Engine:
         return CPU_KV_BUDGET_BYTES
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def num_pages(self) -> int:
         return self.kv_cache.num_pages
 
@@ -184,7 +188,8 @@ class Engine:
 
     def reset_computed(self, seq_id: Hashable) -> None:
         """The sequence lost its pages (preempted): recompute all its tokens from the next step on."""
-        self._seqs[seq_id].num_computed = 0
+        if seq_id in self._seqs:
+            self._seqs[seq_id].num_computed = 0
 
     def num_uncomputed(self, seq_id: Hashable) -> int:
         """Tokens of ``seq_id`` known but not yet in the cache (the prompt left, or 1 when decoding)."""
@@ -248,6 +253,7 @@ class Engine:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
             decode_only=decode_only,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev),
