@@ -1,0 +1,231 @@
+"""An engine double: the engine's verbs, deterministic tokens, no model.
+
+``EngineDouble`` keeps each sequence's tokens and computed count exactly like
+``spark.engine.Engine`` and validates every plan the same way (and more
+strictly: it also checks the KV pages themselves), so a scheduler bug shows up
+as an exception here instead of as wrong text there. Its tokens depend only on
+(sequence id, position), never on the batch, so a sequence recomputed after a
+preemption or run in any company produces the same tokens.
+
+``simulated_executor`` is an ``execute`` for ``open_system``: it applies the
+work to the double and then sleeps ``base + per_token * tokens`` on the (mock)
+clock, so step time grows with the tokens in the step.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Hashable, Sequence
+
+import attrs
+import trio
+
+from spark.actors.gpu_runner import apply_work
+from spark.actors.messages import StepWork
+from spark.engine.engine import StepPlan, TokenOutput
+from spark.engine.page_allocator import PageAllocator
+from spark.engine.sampling import SamplingParams
+
+
+class CharTokenizer:
+    """A tokenizer whose token id is a character's code point (0 is a special token)."""
+
+    bos_token_id = 0
+    eos_token_ids = ()
+    special_ids = frozenset({0})
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i in self.special_ids))
+
+
+class PlanError(ValueError):
+    """The plan asks what the real engine would refuse, or would corrupt the KV cache."""
+
+
+def hashed_token(seq_id: Hashable, position: int, vocab_size: int) -> int:
+    """A token that depends only on (sequence, position): stable across processes and batches."""
+    return zlib.crc32(f"{seq_id}@{position}".encode()) % vocab_size
+
+
+@attrs.define(eq=False)
+class _Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = attrs.Factory(list)
+    num_computed: int = 0
+    table: tuple[int, ...] = ()  # the block table its computed tokens live in
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class EngineDouble:
+    """The verbs of ``spark.engine.Engine`` over a fake model.
+
+    Args:
+        num_pages: pages of the KV pool (page 0 is the allocator's scratch page).
+        page_size: tokens per page.
+        max_model_len: context length.
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        tokenizer: None, or a tokenizer for the streamer to detokenize with.
+        eos_token_ids: tokens that end a sequence unless ``ignore_eos``.
+        token_fn: ``(seq_id, position) -> token``; ``hashed_token`` by default.
+        scripts: ``{seq_id: outputs}`` replayed instead for those sequences (then length).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_pages: int = 1024,
+        page_size: int = 16,
+        max_model_len: int = 4096,
+        vocab_size: int = 49152,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] = (),
+        token_fn: Callable[[Hashable, int], int] | None = None,
+        scripts: dict[Hashable, Sequence[int]] | None = None,
+    ):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.token_fn = token_fn or (lambda seq_id, pos: hashed_token(seq_id, pos, vocab_size))
+        self.scripts = dict(scripts or {})
+        self.fail_if: Callable[[StepPlan], bool] | None = None  # failure injection: True makes step() raise
+        self.steps = 0  # steps computed (not counting failed ones)
+        self.step_tokens: list[int] = []  # tokens computed per step
+        self.sequences: dict[Hashable, _Sequence] = {}
+        self._page_owner: dict[int, Hashable] = {}  # page -> the sequence that last wrote it
+
+    def new_page_allocator(self) -> PageAllocator:
+        return PageAllocator(self.num_pages, self.page_size)
+
+    # -- sequences (the real engine's checks) -----------------------------
+    def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if seq_id in self.sequences:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if not prompt_ids:
+            raise ValueError("prompt must hold at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
+        self.sequences[seq_id] = _Sequence(list(prompt_ids), params)
+
+    def remove_sequence(self, seq_id: Hashable) -> None:
+        self.sequences.pop(seq_id, None)
+
+    def reset_computed(self, seq_id: Hashable) -> None:
+        s = self.sequences[seq_id]
+        s.num_computed, s.table = 0, ()
+
+    def num_uncomputed(self, seq_id: Hashable) -> int:
+        s = self.sequences[seq_id]
+        return s.num_tokens - s.num_computed
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.sequences[seq_id].num_tokens
+
+    # -- the step ---------------------------------------------------------
+    def step(self, plan: StepPlan) -> list[TokenOutput]:
+        """Validate ``plan`` like the real engine, "compute" it, sample for sequences that caught up."""
+        if not plan.chunks:
+            return []
+        if self.fail_if is not None and self.fail_if(plan):
+            raise RuntimeError("injected step failure")
+        seen = set()
+        for chunk in plan.chunks:  # validate all before changing anything, as the real engine does
+            if chunk.seq_id in seen:
+                raise PlanError(f"{chunk.seq_id!r} appears twice in one plan")
+            seen.add(chunk.seq_id)
+            self._check_chunk(chunk)
+        outputs = []
+        for chunk in plan.chunks:
+            s = self.sequences[chunk.seq_id]
+            start, end = s.num_computed, s.num_computed + chunk.num_tokens
+            for page in chunk.block_table[start // self.page_size: self.pages_for(end)]:
+                self._page_owner[page] = chunk.seq_id
+            s.num_computed, s.table = end, chunk.block_table
+            if end == s.num_tokens:
+                outputs.append(self._sample(chunk.seq_id, s))
+        self.steps += 1
+        self.step_tokens.append(sum(c.num_tokens for c in plan.chunks))
+        return outputs
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _check_chunk(self, chunk) -> None:
+        if chunk.seq_id not in self.sequences:
+            raise KeyError(chunk.seq_id)
+        s = self.sequences[chunk.seq_id]
+        start, end = s.num_computed, s.num_computed + chunk.num_tokens
+        if chunk.num_tokens < 1 or end > s.num_tokens:
+            raise PlanError(f"plan asks {chunk.num_tokens} tokens of {chunk.seq_id!r}, {s.num_tokens - start} left")
+        table = chunk.block_table
+        if len(table) * self.page_size < end:
+            raise PlanError(f"block table of {chunk.seq_id!r} holds {len(table)} pages, needs {end} tokens")
+        if 0 in table:
+            raise PlanError(f"block table of {chunk.seq_id!r} names the scratch page 0")
+        if len(set(table)) != len(table):
+            raise PlanError(f"block table of {chunk.seq_id!r} repeats a page: {table}")
+        kept = self.pages_for(start)
+        if table[:kept] != s.table[:kept]:
+            raise PlanError(f"{chunk.seq_id!r} moved pages holding computed tokens: {s.table[:kept]} -> {table[:kept]}")
+        for page in table[start // self.page_size: self.pages_for(end)]:
+            owner = self._page_owner.get(page, chunk.seq_id)
+            if owner != chunk.seq_id and self._holds(owner, page):
+                raise PlanError(f"{chunk.seq_id!r} writes page {page}, which holds tokens of {owner!r}")
+
+    def _holds(self, seq_id: Hashable, page: int) -> bool:
+        s = self.sequences.get(seq_id)
+        return s is not None and page in s.table[: self.pages_for(s.num_computed)]
+
+    def _sample(self, seq_id: Hashable, s: _Sequence) -> TokenOutput:
+        script = self.scripts.get(seq_id)
+        if script is not None:
+            token = script[len(s.output_ids)]
+        else:
+            token = self.token_fn(seq_id, s.num_tokens)
+        s.output_ids.append(token)
+        reason = None
+        if token in s.params.stop_token_ids or (token in self.eos_token_ids and not s.params.ignore_eos):
+            reason = "stop"
+        elif len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= self.max_model_len:
+            reason = "length"
+        elif script is not None and len(s.output_ids) == len(script):
+            reason = "length"  # the script ran out
+        if reason is not None:
+            del self.sequences[seq_id]  # the real engine forgets finished sequences
+        k = s.params.logprobs
+        return TokenOutput(
+            seq_id, token,
+            logprob=-1.0 if k is not None else None,
+            top_logprobs=((token, -1.0),)[:k] if k else (),
+            finish_reason=reason,
+        )
+
+
+def simulated_executor(engine: EngineDouble, *, base: float = 0.005, per_token: float = 0.00025):
+    """An ``execute`` for ``open_system``: apply the work, then take ``base + per_token * tokens`` seconds.
+
+    Args:
+        engine: the double the work is applied to.
+        base: fixed seconds per step.
+        per_token: seconds per computed token.
+
+    Returns:
+        ``async (StepWork) -> list[TokenOutput]``; a failing step raises at once, like the real one.
+    """
+
+    async def execute(work: StepWork) -> list[TokenOutput]:
+        outputs = apply_work(engine, work)
+        await trio.sleep(base + per_token * sum(c.num_tokens for c in work.plan.chunks))
+        return outputs
+
+    return execute

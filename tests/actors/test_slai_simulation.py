@@ -1,0 +1,38 @@
+"""SLAI keeps running streams within their time-between-tokens deadline while long prompts arrive; FIFO does not.
+
+The scenario (and the benchmark that prints it) is ``benchmarks/slai_simulation.py``:
+the real actors over the engine double, step time 5 ms + 0.25 ms/token on a mock clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.slai_simulation import Scenario, percentile, run
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {policy: run(policy) for policy in ("fifo", "slai")}
+
+
+def test_slai_keeps_the_tbt_deadline_and_fifo_does_not(results):
+    slai, fifo = results["slai"], results["fifo"]
+    assert slai.gap(0.99) <= Scenario().tbt_deadline, slai.summary()
+    assert fifo.gap(0.99) > Scenario().tbt_deadline, fifo.summary()
+
+
+def test_both_policies_served_the_same_work(results):
+    for result in results.values():
+        assert len(result.ttfts) == Scenario().num_long_prompts
+        assert len(result.gaps) >= 8 * 10  # every stream kept decoding through the window
+        assert min(result.gaps) >= Scenario().step_base  # a token per step at most
+    # the price of small chunks: more steps for the same prompts, but the prompts still get served
+    assert results["slai"].steps > results["fifo"].steps
+    assert results["slai"].ttft(0.5) < 3 * results["fifo"].ttft(0.5)
+
+
+def test_percentile_is_nearest_rank():
+    values = list(range(1, 101))
+    assert (percentile(values, 0.5), percentile(values, 0.99), percentile(values, 1.0)) == (50, 99, 100)
+    assert percentile([3.0], 0.99) == 3.0
