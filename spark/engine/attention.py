@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from spark.engine.kernels import kv_write, paged_attention as pa
+from spark.engine.kernels import kv_write, paged_attention as pa, prefill_attention
 
 
 @attrs.frozen
@@ -27,6 +27,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
     block_tables: torch.Tensor  # [B, max_pages] int32: pages of each sequence, 0-padded
     decode_only: bool  # every sequence computes exactly one token
+    max_query_len: int = 1  # the longest query of the batch (sizes the prefill kernel's grid)
 
 
 def paged_attention(
@@ -44,6 +45,10 @@ def paged_attention(
     write(k, v, k_cache, v_cache, meta.slot_mapping)
     if on_gpu and meta.decode_only:
         return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    if on_gpu:
+        return prefill_attention.paged_prefill_attention_triton(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len
+        )
     return pa.paged_attention_reference(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
     )

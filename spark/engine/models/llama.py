@@ -18,6 +18,7 @@ from torch import nn
 
 from spark.engine.attention import AttentionMetadata, paged_attention
 from spark.engine.config import ModelConfig
+from spark.engine.kernels import activation, norm as norm_kernels, rope as rope_kernels
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +28,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return norm_kernels.rms_norm_triton(x, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as HF does, so that
         # bf16 runs round at the same place as the reference.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one fused kernel on a GPU."""
+        if x.is_cuda:
+            return norm_kernels.add_rms_norm_triton(x, residual, self.weight, self.eps)
+        h = x + residual
+        return self(h), h
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -76,8 +86,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, D]
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, D]; rope: (cos, sin) [T, Dh/2] on the CPU, (positions, inv_freq) on a GPU
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split((q_size, kv_size, kv_size), dim=-1)
@@ -86,7 +96,11 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if x.is_cuda:
+            q, k = rope_kernels.apply_rope_triton(q, k, *rope)
+        else:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
         return self.wo(out.reshape(T, q_size))
 
@@ -99,7 +113,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.w13(x)  # [T, 2I]
+        if x.is_cuda:
+            return self.w2(activation.silu_and_mul_triton(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w2(nn.functional.silu(gate) * up)
 
 
@@ -111,9 +128,19 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x, residual, rope, k_cache, v_cache, meta):
+        """x: the previous block's output, residual: the stream before it (None at the first block).
+
+        Returns (this block's MLP output, the residual stream before it); the
+        caller adds them, fused into the next norm.
+        """
+        if residual is None:
+            h, residual = self.attention_norm(x), x
+        else:
+            h, residual = self.attention_norm.add_forward(x, residual)
+        attn = self.attention(h, rope, k_cache, v_cache, meta)
+        h, residual = self.ffn_norm.add_forward(attn, residual)
+        return self.feed_forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -135,12 +162,15 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: k, v [pages, page_size, Hkv, Dh]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh // 2]
-        cos, sin = freqs.cos(), freqs.sin()
-        x = self.tok_embeddings(input_ids)  # [T, D]
+        if input_ids.is_cuda:
+            rope = (positions, self.inv_freq)  # the fused kernel computes cos/sin itself
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh // 2]
+            rope = (freqs.cos(), freqs.sin())
+        x, residual = self.tok_embeddings(input_ids), None  # [T, D]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, k_cache, v_cache, meta)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> logits [N, V] in fp32."""

@@ -1,0 +1,145 @@
+"""RMSNorm, alone and fused with the residual add: torch references and a Triton kernel.
+
+Numerics follow Hugging Face's LlamaRMSNorm so that bf16 runs round where the
+reference does: normalise in fp32, cast to the input dtype, then multiply by the
+weight. The fused add rounds `x + residual` to the input dtype before normalising,
+as the eager model's `h = x + attn_out` in bf16 does.
+"""
+
+import functools
+
+import torch
+
+# Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
+# compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
+# that only ever calls the references may not have triton at all.
+triton = None
+tl = None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row (torch reference).
+
+    Args:
+      x: `[..., D]`.
+      weight: `[D]`.
+      eps: added to the mean square before the rsqrt.
+
+    Returns:
+      `[..., D]` in x's dtype: `weight * (x / rms(x)).to(x.dtype)`, the division in fp32.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)).to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm (torch reference).
+
+    Args:
+      x: `[..., D]` the sublayer output.
+      residual: `[..., D]` the residual stream, x's dtype.
+      weight: `[D]`.
+      eps: added to the mean square before the rsqrt.
+
+    Returns:
+      `(normed, new_residual)`: `new_residual = x + residual` in x's dtype and
+      `normed = rms_norm(new_residual)`.
+    """
+    h = x + residual
+    return rms_norm_reference(h, weight, eps), h
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row (Triton); same arguments and result as `rms_norm_reference`.
+
+    Args:
+      x: `[..., D]`, rows may be strided.
+      weight: `[D]`.
+      eps: added to the mean square before the rsqrt.
+
+    Returns:
+      `[..., D]` contiguous, in x's dtype.
+    """
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm in one pass over memory (Triton).
+
+    Same arguments and results as `add_rms_norm_reference`; both outputs are new
+    contiguous tensors, the inputs are left alone.
+    """
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    return _launch(x, residual, weight, eps)
+
+
+def _launch(x, residual, weight, eps):
+    shape, dim = x.shape, x.shape[-1]
+    assert weight.shape == (dim,)
+    has_residual = residual is not None
+    # Leading dims flattened into rows; reshape copies only when they cannot be viewed.
+    x = x.reshape(-1, dim)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # Without a residual the kernel never touches these; x fills the arguments.
+    residual = residual.reshape(-1, dim) if has_residual else x
+    residual_out = torch.empty_like(out) if has_residual else x
+    if x.shape[0] > 0:
+        kernel = _kernel()
+        block_d = triton.next_power_of_2(dim)
+        kernel[(x.shape[0],)](
+            x, residual, weight, out, residual_out,
+            x.stride(0), x.stride(1), residual.stride(0), residual.stride(1), weight.stride(0),
+            dim, eps,
+            HAS_RESIDUAL=has_residual, BLOCK_D=block_d,
+            # ~8-16 fp32 elements of the row per thread; 8 warps carry D = 8192 at 32 each.
+            num_warps=min(max(block_d // 512, 1), 8),
+        )
+    return out.view(shape), (residual_out.view(shape) if has_residual else None)
+
+
+@functools.cache
+def _kernel():
+    """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
+    read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(
+        x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+        stride_xt, stride_xd, stride_rt, stride_rd, stride_w,
+        dim, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # One program per row, the whole row in registers: the mean square needs every
+        # element before any can be written, and D <= 8192 fits (32 fp32 per thread at 8
+        # warps), so each element is read once and written once, with no second pass.
+        row = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < dim
+        # Loaded as fp32: the interpreter mishandles bf16 arithmetic, and fp32 is where
+        # the reference computes anyway.
+        x = tl.load(x_ptr + row * stride_xt + dims * stride_xd, mask=dim_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_rt + dims * stride_rd, mask=dim_ok, other=0.0).to(tl.float32)
+            # Round the sum to the input dtype before normalising, as eager bf16 `x + r` does;
+            # the rounded value is both the new residual and the norm's input.
+            h = (x + r).to(out_ptr.dtype.element_ty)
+            tl.store(residual_out_ptr + row * dim + dims, h, mask=dim_ok)
+            x = h.to(tl.float32)
+        mean_square = tl.sum(x * x, axis=0) / dim  # masked lanes are 0 and add nothing
+        normed = (x * tl.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(weight_ptr + dims * stride_w, mask=dim_ok, other=0.0).to(tl.float32)
+        # Product of the rounded normalised value and the weight, rounded once: what
+        # torch's `weight * normed` in the input dtype computes.
+        out = w * normed.to(tl.float32)
+        tl.store(out_ptr + row * dim + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+    return rms_norm_kernel

@@ -1,0 +1,207 @@
+"""Flash-attention over the paged KV cache for a flat mixed batch: reference and Triton.
+
+Same semantics as `paged_attention_reference`: sequence b owns query rows
+`query_start_loc[b]:query_start_loc[b+1]` (q_len of them), its new token i sits at
+position `seq_lens[b] - q_len + i` and attends causally to keys 0..that position,
+all read from the paged cache (this step's K/V already written). Prefill from 0,
+a chunk continuing earlier context and a single decode token are one case.
+
+Cache layout: `k_cache`, `v_cache` each `[num_pages, page_size, Hkv, D]`; position p
+of sequence b lives at page `block_tables[b, p // page_size]`, offset `p % page_size`.
+"""
+
+import functools
+import math
+
+import torch
+
+from spark.engine.kernels.paged_attention import paged_attention_reference
+
+# Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
+# compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
+# that only ever calls the reference may not have triton at all.
+triton = None
+tl = None
+
+# Query rows per program and keys per inner step: the usual flash-attention tile for
+# head_dim <= 128 on Hopper (tl.dot needs every dim >= 16). Pages are gathered token by
+# token, so BLOCK_N need not match the page size.
+_BLOCK_M = 64
+_BLOCK_N = 64
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Causal attention for a flat mixed batch (torch reference: `paged_attention_reference`).
+
+    `max_query_len` is accepted for signature parity with the Triton version and unused.
+    """
+    return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    block_m: int = _BLOCK_M,
+    block_n: int = _BLOCK_N,
+) -> torch.Tensor:
+    """Causal attention for a flat mixed batch of prefill chunks and decode tokens (Triton).
+
+    Grid `(B, cdiv(max_query_len, block_m), H)`: one program per block of `block_m`
+    query rows of one sequence and one query head, online softmax over key blocks
+    gathered page by page. The caller's `max_query_len` sizes the grid without reading
+    `query_start_loc` back from the GPU; programs whose block starts past their
+    sequence's q_len exit at once. Key blocks wholly above the causal diagonal of the
+    query block are never visited.
+
+    Args:
+      q: `[T, H, D]` queries of all sequences, in order; may be a strided view.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, D]`, already holding this step's K/V.
+      query_start_loc: `[B+1]` int32 cumulative query lengths.
+      seq_lens: `[B]` int32 context length of each sequence, this step's tokens included.
+      block_tables: `[B, max_pages]` int32 pages of each sequence, padded with anything.
+      scale: softmax scale, usually `D ** -0.5`.
+      max_query_len: at least the largest q_len in the batch (a host-side int).
+      block_m, block_n: tile sizes, each a power of two >= 16 (tests shrink them).
+
+    Returns:
+      `[T, H, D]` in q's dtype, contiguous; rows outside every sequence are zero.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and k_cache.shape[3] == head_dim
+    assert k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
+    batch = seq_lens.shape[0]
+    # Zeros, not empty: matches the reference for rows no sequence owns (padding).
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    kernel = _kernel()
+    # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (full tensor-core rate;
+    # p is rounded to that dtype for PV, as in flash-attention). fp32 caches and the
+    # interpreter, which mishandles dot and arithmetic on bf16, use fp32 tiles with exact
+    # "ieee" products ("tf32" is the default for half operands, where it changes nothing).
+    half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not _interpreting(kernel)
+    kernel[(batch, triton.cdiv(max_query_len, block_m), num_heads)](
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        scale * math.log2(math.e), group, head_dim,
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee",
+        num_warps=8 if head_dim > 128 else 4,
+    )
+    return out
+
+
+def _interpreting(kernel) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+@functools.cache
+def _kernel():
+    """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
+    read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
+        stride_qt, stride_qh, stride_qd,
+        stride_cp, stride_co, stride_ch, stride_cd,
+        stride_bt, stride_ot, stride_oh, stride_od,
+        qk_scale_log2, group, head_dim,
+        PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        seq, q_block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        first_row = q_block * BLOCK_M
+        # The grid is sized by the longest sequence; shorter ones (decode rows, idle
+        # slots) own fewer blocks, and the rest of their programs have nothing to do.
+        if first_row >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_start = seq_len - q_len  # position of the sequence's first new token
+        kv_head = head // group
+
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        query_pos = context_start + rows
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < head_dim
+        tokens = (q_start + rows).to(tl.int64)
+        q = tl.load(
+            q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd,
+            mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        )
+        if HALF_DOT:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
+
+        # Running max of the scores, finite: exp2(m_old - m_new) stays 1, not NaN, before
+        # a row has seen an unmasked key (rows past q_len never do; they are not stored).
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # Keys past the block's last valid position are masked for every row: stop there.
+        kv_end = context_start + tl.minimum(first_row + BLOCK_M, q_len)
+        # A while loop, not `for n0 in range(0, kv_end, BLOCK_N)`: the Triton 3.6 interpreter
+        # turns runtime loop bounds into Python ints with int(1-element array), which
+        # numpy >= 2.4 rejects, and the tests run this kernel in the interpreter.
+        n0 = 0
+        while n0 < kv_end:
+            keys = n0 + tl.arange(0, BLOCK_N)
+            key_ok = keys < kv_end
+            # Gather token by token: any page size, any page order. Masked keys read
+            # neither the block table past its row's pages nor the cache.
+            page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            kv_off = page * stride_cp + (keys % PAGE_SIZE) * stride_co + kv_head * stride_ch
+            kv_off = kv_off[:, None] + dims[None, :] * stride_cd
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if not HALF_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            # Scale after the dot so bf16 operands are not rounded a second time; scores
+            # come out in log2 units, so exp2 below is exp of the scaled score.
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
+            # Causal mask; it also hides keys >= kv_end from every valid row.
+            s = tl.where(keys[None, :] <= query_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+            n0 += BLOCK_N
+
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context (seq_len 0): zeros
+        o_off = tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+    return prefill_kernel
