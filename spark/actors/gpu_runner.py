@@ -43,16 +43,33 @@ async def run(
     inbox: trio.MemoryReceiveChannel,
     outbox: trio.MemorySendChannel,
     *,
+    capture_next: Callable[[], bool] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run each ``StepWork`` from ``inbox`` and answer a ``StepResult`` on ``outbox``.
 
     A step that raises fails only the sequences in it: the error goes back to
-    the scheduler, and the runner keeps serving.
+    the scheduler, and the runner keeps serving. ``capture_next`` (the engine's
+    CUDA-graph capture, one bucket per call) runs whenever no step is waiting,
+    so serving starts at once and graphs take over as they become ready.
     """
+    capturing = capture_next is not None
     async with inbox, outbox:
         task_status.started()
-        async for work in inbox:
+        while True:
+            if capturing:
+                try:
+                    work = inbox.receive_nowait()
+                except trio.WouldBlock:
+                    capturing = await _capture_one(capture_next)
+                    continue
+                except trio.EndOfChannel:
+                    return
+            else:
+                try:
+                    work = await inbox.receive()
+                except trio.EndOfChannel:
+                    return
             start = trio.current_time()
             try:
                 outputs = await execute(work)
@@ -61,3 +78,12 @@ async def run(
                 log.exception("engine step failed")
                 outputs, error = [], f"engine step failed: {type(exc).__name__}: {exc}"
             await outbox.send(StepResult(tuple(outputs), trio.current_time() - start, error))
+
+
+async def _capture_one(capture_next: Callable[[], bool]) -> bool:
+    """Capture one more graph off the event loop; False when done (or capture failed: stay eager)."""
+    try:
+        return await trio.to_thread.run_sync(capture_next)
+    except Exception:
+        log.exception("CUDA graph capture failed; decoding stays eager")
+        return False

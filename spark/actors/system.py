@@ -15,6 +15,7 @@ Use:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from contextlib import asynccontextmanager
@@ -98,7 +99,13 @@ async def open_system(
     stream_send, stream_recv = trio.open_memory_channel(256)
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(gpu_runner.run, execute or gpu_runner.thread_executor(engine), work_recv, results_send)
+        capture = None
+        if execute is None and getattr(engine, "enable_cuda_graphs", None) and engine.enable_cuda_graphs(config.max_batch_size):
+            capture = engine.capture_next_graph
+        await nursery.start(
+            functools.partial(gpu_runner.run, capture_next=capture),
+            execute or gpu_runner.thread_executor(engine), work_recv, results_send,
+        )
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
         await nursery.start(
             scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics
