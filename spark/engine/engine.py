@@ -67,6 +67,9 @@ class _Sequence:
     seed: int
     output_ids: list[int] = attrs.Factory(list)
     num_computed: int = 0
+    thinking: bool = False  # inside <think>...</think> now
+    thinking_tokens: int = 0  # reasoning tokens generated so far
+    forced: list[int] = attrs.Factory(list)  # tokens the engine writes next instead of sampling
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +114,7 @@ class Engine:
         )
         self._seqs: dict[Hashable, _Sequence] = {}
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+        self.think_tags = _think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         self._seed_rng = random.Random()
 
     @classmethod
@@ -180,7 +184,7 @@ class Engine:
         if bad_bias:
             raise ValueError(f"logit_bias token id {bad_bias[0]} outside the vocabulary (size {self.config.vocab_size})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        self._seqs[seq_id] = _Sequence(list(prompt_ids), params, seed)
+        self._seqs[seq_id] = _Sequence(list(prompt_ids), params, seed, thinking=params.starts_in_thinking)
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         """Forget a sequence (finished sequences are forgotten on their own)."""
@@ -299,7 +303,10 @@ class Engine:
         top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         outputs = []
         for row, (seq_id, s, token) in enumerate(zip(seq_ids, seqs, token_ids)):
+            if s.forced:
+                token = s.forced.pop(0)
             s.output_ids.append(token)
+            self._track_thinking(s, token)
             k = s.params.logprobs
             top = tuple(zip(top_ids[row][:k], top_lp[row][:k])) if k and top_ids is not None else ()
             reason = self._finish_reason(s, token)
@@ -311,6 +318,22 @@ class Engine:
                 top_logprobs=top, finish_reason=reason,
             ))
         return outputs
+
+    def _track_thinking(self, s: _Sequence, token: int) -> None:
+        """Count reasoning tokens; past the budget, queue the closing tag so the answer starts."""
+        if self.think_tags is None:
+            return
+        start_id, end_ids = self.think_tags
+        if token == start_id:
+            s.thinking = True
+        elif token == end_ids[0]:
+            s.thinking = False
+        elif s.thinking:
+            s.thinking_tokens += 1
+            budget = s.params.thinking_budget
+            if budget is not None and s.thinking_tokens >= budget:
+                s.forced = list(end_ids)
+                s.thinking = False
 
     def _finish_reason(self, s: _Sequence, token: int) -> str | None:
         if token in s.params.stop_token_ids or (token in self.eos_token_ids and not s.params.ignore_eos):
@@ -378,6 +401,16 @@ class Engine:
             for i in range(len(prompts)):
                 self.remove_sequence((base, i))
         return results
+
+
+def _think_tags(tokenizer) -> tuple[int, tuple[int, ...]] | None:
+    """The ids of <think> and of "</think>\n\n" when the vocabulary has both tags as tokens."""
+    if tokenizer is None:
+        return None
+    start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    if start is None or end is None:
+        return None
+    return start, (end, *tokenizer.encode("\n\n"))
 
 
 def _inv_freq_on(config: ModelConfig, device) -> torch.Tensor:

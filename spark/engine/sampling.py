@@ -117,6 +117,10 @@ class SamplingParams:
       max_tokens: Most tokens to generate.
       stop_token_ids: Tokens that end the request (besides EOS).
       ignore_eos: Keep going past EOS.
+      thinking_budget: Most tokens of reasoning (inside <think>...</think>); when
+        reached, the engine writes the closing tag itself and the answer follows.
+        None: unlimited. Needs a model whose vocabulary has the think tags.
+      starts_in_thinking: The prompt ends inside an open <think> (template-forced).
     """
 
     temperature: float = _field(1.0, _as_float, _in_range(0.0, math.inf, hi_open=True))
@@ -132,9 +136,12 @@ class SamplingParams:
     max_tokens: int = _field(256, _as_int, _in_range(1, math.inf))
     stop_token_ids: tuple[int, ...] = _field((), _as_token_ids)
     ignore_eos: bool = attrs.field(default=False)
+    thinking_budget: int | None = _field(None, _as_optional_int, _in_range(0, math.inf))
+    starts_in_thinking: bool = attrs.field(default=False)
 
     @ignore_eos.validator
-    def _check_ignore_eos(self, field: attrs.Attribute, value: object) -> None:
+    @starts_in_thinking.validator
+    def _check_bool(self, field: attrs.Attribute, value: object) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"{field.name} must be a bool, got {value!r}")
 
