@@ -38,6 +38,19 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     default_max_tokens: int = 1024  # when a request names none (capped by the context left)
 
+    def resolved_served_name(self) -> str:
+        """The name clients use: ``served_name``, else the model file's (or directory's) stem."""
+        import pathlib
+
+        if self.served_name:
+            return self.served_name
+        if self.model in ("", "default"):
+            return "smollm2-135m-instruct"
+        if self.model.startswith("dummy"):
+            return self.model.replace(":", "-")
+        path = pathlib.Path(self.model)
+        return (path.name if path.is_dir() else path.name.split(".")[0]).lower()
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "ServeConfig":
         """Read ``SPARK_<FIELD>`` variables; ``overrides`` win over them.

@@ -50,6 +50,7 @@ class RequestStream:
                     await self._cancels.send(Cancel(self.request_id))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the system is shutting down
+        self._cancels.close()  # this stream's clone of the channel
         await self._pieces.aclose()
 
     def __aiter__(self) -> "RequestStream":

@@ -121,7 +121,7 @@ async def open_system(
         )
         system = SparkSystem(
             ingress, engine=engine, config=config, metrics=metrics,
-            served_name=served_name or config.served_name or "spark",
+            served_name=served_name or config.resolved_served_name(),
         )
         await system.preflight()
         log.info("actors up: policy=%s max_batch=%d pages=%d", config.scheduler, config.max_batch_size, allocator.num_total)

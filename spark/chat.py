@@ -1,0 +1,131 @@
+"""``spark chat``: a terminal chat with a Spark server (or one started in-process).
+
+Commands: ``/reset`` forgets the conversation, ``/exit`` (or Ctrl-D) leaves.
+Ctrl-C during a reply stops it; what arrived stays in the conversation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterator
+
+import httpx
+
+PROMPT = "you> "
+
+
+def chat(url: str | None, *, model: str = "default") -> None:
+    """Chat in the terminal.
+
+    Args:
+      url: a Spark (or any OpenAI-compatible) server, e.g. ``http://127.0.0.1:8000``;
+        None starts a server in-process on a free port.
+      model: with ``url`` None, the model to serve; otherwise the model name to ask for
+        ("default" asks for whatever the server serves).
+    """
+    if url is None:
+        with _local_server(model) as local_url:
+            _repl(local_url, None)
+    else:
+        _repl(url.rstrip("/"), None if model == "default" else model)
+
+
+def _repl(url: str, model: str | None) -> None:
+    headers = {"Authorization": f"Bearer {os.environ['SPARK_API_KEY']}"} if os.environ.get("SPARK_API_KEY") else {}
+    history: list[dict] = []
+    print("Type a message; /reset clears the conversation, /exit leaves.")
+    with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(10.0, read=None)) as http:
+        while True:
+            try:
+                line = input(PROMPT).strip()
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return
+            if line == "/exit":
+                return
+            if line == "/reset":
+                history.clear()
+                print("(conversation cleared)")
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            reply: list[str] = []
+            try:
+                for piece in _stream_reply(http, history, model):
+                    reply.append(piece)
+                    print(piece, end="", flush=True)
+                print()
+            except KeyboardInterrupt:  # leaving the stream hangs up, which cancels the request
+                print(" (stopped)")
+            except (httpx.HTTPError, RuntimeError) as exc:
+                print(f"\n(error: {exc})")
+                history.pop()
+                continue
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _stream_reply(http: httpx.Client, history: list[dict], model: str | None) -> Iterator[str]:
+    """The reply's text deltas, as they arrive (server-sent events)."""
+    body = {"messages": history, "stream": True} | ({"model": model} if model else {})
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(_error_message(r))
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(event["error"].get("message", "generation failed"))
+            for choice in event.get("choices", ()):
+                if choice["delta"].get("content"):
+                    yield choice["delta"]["content"]
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return f"{r.status_code}: {r.json()['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"{r.status_code}: {r.text[:200]}"
+
+
+@contextlib.contextmanager
+def _local_server(model: str) -> Iterator[str]:
+    """Serve ``model`` on a free local port from a background thread; yields its URL."""
+    import trio
+
+    from spark.http.serve import serve_async
+    from spark.serve_config import ServeConfig
+
+    config = ServeConfig(model=model, host="127.0.0.1", port=0)
+    started: queue.Queue = queue.Queue()
+
+    async def main() -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve_async, config, shutdown_trigger=stop.wait))
+            started.put((url, trio.lowlevel.current_trio_token(), stop))
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # start-up failed: hand it to the caller
+            started.put(exc)
+
+    thread = threading.Thread(target=run, name="spark-chat-server", daemon=True)
+    thread.start()
+    got = started.get()
+    if isinstance(got, BaseException):
+        raise SystemExit(f"cannot start the server: {got}")
+    url, token, stop = got
+    try:
+        yield url
+    finally:
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(timeout=15)

@@ -1,0 +1,81 @@
+"""OpenAI response objects, built from ``RequestOutput`` pieces (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from spark.actors.messages import TokenLogprob
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
+
+_BYTE_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def token_bytes(token: str) -> list[int]:
+    """The UTF-8 bytes of a token's text, with its ``\\xNN`` escapes (bytes that are not UTF-8) undone."""
+    out, pos = bytearray(), 0
+    for m in _BYTE_ESCAPE.finditer(token):
+        out += token[pos:m.start()].encode()
+        out.append(int(m[1], 16))
+        pos = m.end()
+    out += token[pos:].encode()
+    return list(out)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# -- chat -----------------------------------------------------------------------
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict:
+    """``choices[].logprobs`` of a chat completion: one entry per token, with its alternatives."""
+    return {"content": [
+        {"token": lp.token, "logprob": lp.logprob, "bytes": token_bytes(lp.token),
+         "top_logprobs": [{"token": t, "logprob": p, "bytes": token_bytes(t)} for _, t, p in lp.top]}
+        for lp in logprobs
+    ]}
+
+
+def chat_chunk(head: dict, index: int, delta: dict, *, finish_reason: str | None = None,
+               logprobs: Sequence[TokenLogprob] | None = None) -> dict:
+    """A ``chat.completion.chunk`` with one choice; ``head`` holds id, created and model."""
+    choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+              "finish_reason": finish_reason}
+    return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprob] | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs), "finish_reason": finish_reason}
+
+
+# -- legacy completions ---------------------------------------------------------------
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict:
+    """The legacy ``logprobs`` object; ``text_offset`` is where the first token starts in the output."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,183 @@
+"""From a parsed request to the ``GenerateRequest``s that serve it: checks, prompts, sampling.
+
+Everything here is synchronous and testable without a server: ``Limits`` carries
+what the checks need to know about the served model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from spark.actors.messages import GenerateRequest
+from spark.engine.chat_template import ChatTemplateError
+from spark.engine.sampling import MAX_LOGPROBS, SamplingParams
+from spark.http.errors import ApiError
+from spark.http.schemas import ChatRequest, CompletionRequest, SamplingFields
+
+MAX_N = 16
+MAX_STOP = 16
+MODEL_ALIAS = "sparky"
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
+
+
+@attrs.frozen
+class Limits:
+    """What the checks need to know about the served model."""
+
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+
+
+@attrs.frozen
+class Job:
+    """A request turned into generations: choice ``i`` of the response is ``requests[i]``."""
+
+    requests: tuple[GenerateRequest, ...]
+    prompt_tokens: int  # over distinct prompts (n copies of a prompt count once)
+    stream: bool
+    include_usage: bool
+
+
+def check_model(name: str | None, served_name: str) -> None:
+    """A missing name means the served model; ``sparky`` is its alias."""
+    if name is not None and name not in (served_name, MODEL_ALIAS):
+        raise ApiError(404, f"model {name!r} does not exist; this server serves {served_name!r}",
+                       param="model", code="model_not_found")
+
+
+def base_params(req: SamplingFields, limits: Limits, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's sampling parameters, validated (``max_tokens`` is capped per prompt later).
+
+    Raises:
+        ApiError: 400 naming the bad field.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    for token in (req.logit_bias or {}):
+        if not (token.isdigit() and int(token) < limits.vocab_size):
+            raise ApiError(400, f"logit_bias key {token!r} is not a token id below {limits.vocab_size}",
+                           param="logit_bias")
+    fields = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "seed", "logit_bias", "ignore_eos")}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return SamplingParams(**fields, logprobs=logprobs, max_tokens=max_tokens or limits.default_max_tokens)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop holds {len(stops)} strings, at most {MAX_STOP} are allowed", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    return stops
+
+
+def num_choices(n: int | None) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+    return n
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """The conversation as the chat template reads it: roles normalized, text parts joined."""
+    if not req.messages:
+        raise ApiError(400, "messages must hold at least one message", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise ApiError(400, f"unsupported role {m.role!r}; use system, developer, user or assistant",
+                           param=f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"unsupported content part type {part.type!r}; only text parts are",
+                                   param=f"messages[{i}].content[{j}]")
+            content = "\n".join(part.text for part in content)
+        elif content is None:
+            if role != "assistant":
+                raise ApiError(400, f"a {m.role} message needs content", param=f"messages[{i}].content")
+            content = ""
+        out.append({"role": role, "content": content} | ({"name": m.name} if m.name else {}))
+    return out
+
+
+def encode_chat(tokenizer, req: ChatRequest) -> list[int]:
+    """Render and encode the conversation (call it off the event loop: templates can be slow)."""
+    messages = chat_messages(req)
+    kwargs = req.chat_template_kwargs or {}
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from None
+
+
+def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[list[int]]:
+    """Completion prompts as token ids: texts are encoded, ids are checked against the vocabulary."""
+    out = []
+    for i, prompt in enumerate(req.prompt):
+        ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param="prompt")
+        out.append(ids)
+    return out
+
+
+def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[int]], params: SamplingParams,
+              limits: Limits, *, api_key: str | None) -> Job:
+    """One ``GenerateRequest`` per prompt and choice, ``max_tokens`` capped to the context left.
+
+    With a seed, choice ``i`` of a prompt uses ``seed + i``: the choices differ but reproduce.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded`` when a prompt leaves no room to generate.
+    """
+    n = num_choices(req.n)
+    stop = stop_strings(req.stop)
+    requests = []
+    for p, prompt in enumerate(prompts):
+        room = limits.max_model_len - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context holds {limits.max_model_len}: "
+                                "no room left to generate", param="messages" if isinstance(req, ChatRequest)
+                           else "prompt", code="context_length_exceeded")
+        max_tokens = min(params.max_tokens, room)
+        for i in range(n):
+            seed = None if params.seed is None else params.seed + i
+            requests.append(GenerateRequest(
+                request_id=f"{request_id}-{p * n + i}", prompt_ids=tuple(prompt),
+                params=attrs.evolve(params, max_tokens=max_tokens, seed=seed), stop=stop, api_key=api_key,
+                skip_special_tokens=req.skip_special_tokens is not False))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage)
+
+
+def logprobs_k(req: ChatRequest | CompletionRequest) -> int | None:
+    """``SamplingParams.logprobs``: for chat, None unless ``logprobs`` is true, then ``top_logprobs``
+    alternatives; for completions, the ``logprobs`` count."""
+    if isinstance(req, CompletionRequest):
+        k, param = req.logprobs, "logprobs"
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        k, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param)
+    return k

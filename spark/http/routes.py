@@ -1,0 +1,219 @@
+"""The OpenAI-compatible routes: health, models, metrics, chat completions, completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from quart import Blueprint, Response, current_app, g, request
+
+from spark.actors.system import SubmitError
+from spark.http import formatting as fmt
+from spark.http.errors import ApiError
+from spark.http.fanin import FanIn, StreamFailed
+from spark.http.params import Job, base_params, build_job, check_model, encode_chat, encode_prompts, logprobs_k
+from spark.http.schemas import ChatRequest, CompletionRequest, parse_body
+
+bp = Blueprint("openai", __name__)
+
+
+def _state():
+    return current_app.extensions["spark"]
+
+
+def _system():
+    system = _state().system
+    if system is None:
+        raise ApiError(503, "the server is not ready: the model is loading (or the engine failed)",
+                       code="not_ready", retry_after=1)
+    return system
+
+
+@bp.get("/health")
+async def health():
+    system = _state().system
+    if system is None or not system.ready:
+        raise ApiError(503, "not ready", code="not_ready", retry_after=1)
+    return {"status": "ok"}
+
+
+@bp.get("/metrics")
+async def metrics():
+    return Response(generate_latest(_system().metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _model_card() -> dict:
+    state = _state()
+    return {"id": state.limits.served_name, "object": "model", "created": state.started_at, "owned_by": "spark",
+            "max_model_len": state.limits.max_model_len}
+
+
+@bp.get("/v1/models")
+async def list_models():
+    _system()
+    return {"object": "list", "data": [_model_card()]}
+
+
+@bp.get("/v1/models/<path:name>")
+async def get_model(name: str):
+    _system()
+    check_model(name, _state().limits.served_name)
+    return _model_card()
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions():
+    system, limits = _system(), _state().limits
+    req = parse_body(await request.get_data(), ChatRequest)
+    check_model(req.model, limits.served_name)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = base_params(req, limits, max_tokens=max_tokens, logprobs=logprobs_k(req))
+    prompt = await trio.to_thread.run_sync(encode_chat, system.tokenizer, req)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    job = build_job(rid, req, [prompt], params, limits, api_key=g.api_key)
+    head = {"id": rid, "created": int(time.time()), "model": limits.served_name}
+    fanin = await submit_job(system, job, current_app.nursery)
+    if job.stream:
+        return _sse(_chat_events(head, job, fanin))
+    texts, logprobs, reasons, completion_tokens = await _collect(job, fanin)
+    choices = [fmt.chat_choice(i, texts[i], reasons[i], logprobs[i]) for i in range(len(texts))]
+    return {**head, "object": "chat.completion", "choices": choices,
+            "usage": fmt.usage(job.prompt_tokens, completion_tokens)}
+
+
+@bp.post("/v1/completions")
+async def completions():
+    system, limits = _system(), _state().limits
+    req = parse_body(await request.get_data(), CompletionRequest)
+    check_model(req.model, limits.served_name)
+    if req.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    params = base_params(req, limits, max_tokens=req.max_tokens, logprobs=logprobs_k(req))
+    prompts = await trio.to_thread.run_sync(encode_prompts, system.tokenizer, req, limits.vocab_size)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    job = build_job(rid, req, prompts, params, limits, api_key=g.api_key)
+    head = {"id": rid, "created": int(time.time()), "model": limits.served_name}
+    fanin = await submit_job(system, job, current_app.nursery)
+    if job.stream:
+        return _sse(_completion_events(head, job, fanin))
+    texts, logprobs, reasons, completion_tokens = await _collect(job, fanin)
+    choices = [fmt.completion_choice(i, texts[i], reasons[i],
+                                     None if logprobs[i] is None else fmt.completion_logprobs(logprobs[i]))
+               for i in range(len(texts))]
+    return {**head, "object": "text_completion", "choices": choices,
+            "usage": fmt.usage(job.prompt_tokens, completion_tokens)}
+
+
+# -- generation ---------------------------------------------------------------------
+
+
+async def submit_job(system, job: Job, nursery: trio.Nursery) -> FanIn:
+    """Submit every choice and start reading them (pumps in ``nursery``).
+
+    Raises:
+        ApiError: the system refused a choice (those already submitted are cancelled).
+    """
+    streams = []
+    try:
+        for r in job.requests:
+            streams.append(system.submit(r))
+    except SubmitError as exc:
+        with trio.CancelScope(shield=True):
+            for stream in streams:
+                async with stream:  # entering and leaving a stream cancels its request
+                    pass
+        raise ApiError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after) from None
+    return await FanIn.start(nursery, streams)
+
+
+def _sse(events: AsyncIterator[bytes]) -> Response:
+    response = Response(events, content_type="text/event-stream", headers=fmt.SSE_HEADERS)
+    response.timeout = None  # a stream lasts as long as the generation
+    return response
+
+
+def _failed(piece) -> ApiError:
+    return ApiError(500, f"generation failed: {piece.error or 'unknown error'}", code="generation_failed")
+
+
+async def _collect(job: Job, fanin: FanIn):
+    """Wait for every choice; returns per choice its text, logprobs (or None), finish reason; and the token count."""
+    n = len(job.requests)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs = [[] if r.params.logprobs is not None else None for r in job.requests]
+    reasons: list[str | None] = [None] * n
+    completion_tokens = 0
+    try:
+        async for i, piece in fanin:
+            if piece.finish_reason == "error":
+                raise _failed(piece)
+            texts[i].append(piece.text)
+            if logprobs[i] is not None:
+                logprobs[i].extend(piece.logprobs)
+            if piece.finish_reason is not None:
+                reasons[i] = piece.finish_reason
+                completion_tokens += piece.num_output_tokens
+    except StreamFailed as exc:
+        raise ApiError(500, f"generation failed: {exc}", code="generation_failed") from None
+    finally:
+        fanin.close()
+    return ["".join(t) for t in texts], logprobs, reasons, completion_tokens
+
+
+async def _chat_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterator[bytes]:
+    if job.include_usage:
+        head = {**head, "usage": None}  # as OpenAI: every chunk has the key, only the last a value
+    completion_tokens = 0
+    try:
+        for i in range(len(job.requests)):
+            yield fmt.sse(fmt.chat_chunk(head, i, {"role": "assistant", "content": ""}))
+        async for i, piece in fanin:
+            if piece.finish_reason == "error":
+                yield fmt.sse(_failed(piece).body())
+                return
+            wants_logprobs = job.requests[i].params.logprobs is not None
+            if piece.text or (wants_logprobs and piece.logprobs):
+                yield fmt.sse(fmt.chat_chunk(head, i, {"content": piece.text},
+                                             logprobs=piece.logprobs if wants_logprobs else None))
+            if piece.finish_reason is not None:
+                completion_tokens += piece.num_output_tokens
+                yield fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=piece.finish_reason))
+        if job.include_usage:
+            yield fmt.sse({**head, "object": "chat.completion.chunk", "choices": [],
+                           "usage": fmt.usage(job.prompt_tokens, completion_tokens)})
+        yield fmt.SSE_DONE
+    except StreamFailed as exc:
+        yield fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body())
+    finally:
+        fanin.close()
+
+
+async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterator[bytes]:
+    head = {**head, "object": "text_completion"} | ({"usage": None} if job.include_usage else {})
+    offsets = [0] * len(job.requests)  # text_offset of each choice's next token
+    completion_tokens = 0
+    try:
+        async for i, piece in fanin:
+            if piece.finish_reason == "error":
+                yield fmt.sse(_failed(piece).body())
+                return
+            logprobs = None
+            if job.requests[i].params.logprobs is not None:
+                logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i])
+                offsets[i] += sum(len(lp.token) for lp in piece.logprobs)
+            if piece.text or logprobs and piece.logprobs:
+                yield fmt.sse({**head, "choices": [fmt.completion_choice(i, piece.text, None, logprobs)]})
+            if piece.finish_reason is not None:
+                completion_tokens += piece.num_output_tokens
+                yield fmt.sse({**head, "choices": [fmt.completion_choice(i, "", piece.finish_reason, None)]})
+        if job.include_usage:
+            yield fmt.sse({**head, "choices": [], "usage": fmt.usage(job.prompt_tokens, completion_tokens)})
+        yield fmt.SSE_DONE
+    except StreamFailed as exc:
+        yield fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body())
+    finally:
+        fanin.close()
+

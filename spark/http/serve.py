@@ -1,0 +1,86 @@
+"""Run the app under hypercorn's trio worker, programmatically (``spark serve``).
+
+    python -m spark.http.serve        # configured from SPARK_* variables
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import threading
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config as HypercornConfig
+
+from spark.http.application import create_app, load_engine
+from spark.serve_config import ServeConfig
+
+STARTUP_TIMEOUT_S = 3600  # loading a large model can take minutes
+GRACEFUL_TIMEOUT_S = 5  # open streams get this long after Ctrl-C
+
+
+def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> HypercornConfig:
+    """Hypercorn's settings for ``config``: bind, quiet logs, a start-up timeout that fits a model load."""
+    hc = HypercornConfig()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.accesslog = "-" if access_log else None
+    hc.errorlog = "-"
+    hc.loglevel = "WARNING"  # hypercorn's own "Running on" line would repeat ours
+    hc.startup_timeout = STARTUP_TIMEOUT_S
+    hc.graceful_timeout = GRACEFUL_TIMEOUT_S
+    return hc
+
+
+async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = False, shutdown_trigger=None,
+                      quiet: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until ``shutdown_trigger`` returns (by default: SIGINT or SIGTERM).
+
+    Args:
+      config: what to serve and where (port 0 picks a free port).
+      engine: an already loaded engine; None loads ``config.model``.
+      access_log: log every request to stdout.
+      shutdown_trigger: an async callable whose return starts a graceful shutdown.
+      quiet: do not print the "Spark serving" line.
+      task_status: started with the server's URL once it listens.
+
+    Raises:
+      Exception: what made start-up fail, e.g. ``ModelLoadError``.
+    """
+    if engine is None:  # here rather than at ASGI start-up, so that a load error reaches the caller as is
+        engine = await load_engine(config)
+    app = create_app(config, engine=engine)
+    if shutdown_trigger is None and threading.current_thread() is threading.main_thread():
+        shutdown_trigger = _until_signal
+    serve = functools.partial(hypercorn.trio.serve, app, hypercorn_config(config, access_log=access_log),
+                              shutdown_trigger=shutdown_trigger)
+    state = app.extensions["spark"]
+    try:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve)
+            if state.limits is None:  # start-up failed; hypercorn goes on to listen all the same
+                nursery.cancel_scope.cancel()
+                return
+            url = binds[0]
+            if not quiet:
+                print(f"Spark serving {state.limits.served_name} on {url}", flush=True)
+            task_status.started(url)
+    finally:
+        if state.startup_error is not None:  # the real error (a ModelLoadError, say), not hypercorn's wrapper
+            raise state.startup_error from None
+
+
+def serve(config: ServeConfig) -> None:
+    """Serve ``config`` until Ctrl-C (``spark serve``)."""
+    trio.run(serve_async, config)
+
+
+async def _until_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return
+
+
+if __name__ == "__main__":
+    serve(ServeConfig.from_env())

