@@ -426,4 +426,4 @@ def _load_tokenizer(source):
         return Tokenizer.from_gguf(source.path)
     if source.kind == "hf":
         return Tokenizer.from_hf_dir(source.path)
-    return None
+    return Tokenizer.synthetic(source.config.vocab_size)

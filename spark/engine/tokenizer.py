@@ -89,6 +89,21 @@ class Tokenizer:
     # --- constructors
 
     @classmethod
+    def synthetic(cls, vocab_size: int) -> Tokenizer:
+        """A stand-in for models with dummy weights: token i is the word ``t<i>``.
+
+        Every id decodes to visible text (so every generated token streams as a
+        piece, as with a real model) and text of such words encodes back; a
+        plain chat template joins the messages. For benchmarks and tests only.
+        """
+        vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+        backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        backend.decoder = tokenizers.decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+        template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        return cls(backend, bos_token_id=None, eos_token_ids=(), add_bos_token=False, chat_template=template)
+
+    @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Load an HF model's `tokenizer.json` with its tokenizer and generation configs.
 

@@ -1,0 +1,168 @@
+"""Serving through HTTP against the offline engine, on the same workload.
+
+    python benchmarks/serving.py [--model dummy:llama-3.1-8b] [--clients 256] [--requests 1000]
+                                 [--prompt 512] [--new 256] [--out FILE]
+
+1. Starts ``spark serve`` (a subprocess, the GPU) and waits for /health.
+2. A load generator (asyncio + httpx, its own process) keeps ``--clients``
+   streamed /v1/completions requests in flight until ``--requests`` are done:
+   random token-id prompts of ``--prompt`` tokens, ``--new`` greedy tokens,
+   no EOS stop. Per request: time to first token and the gaps between tokens.
+3. Stops the server, then runs the offline engine (``Engine.generate`` with
+   the same batch limit and CUDA graphs) on the same prompts.
+Prints a table; writes the serving entry as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def load(url: str, prompts: list[list[int]], clients: int, new: int) -> dict:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    ttfts, gaps, tokens, errors = [], [], [], []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            body = {"model": "sparky", "prompt": prompt, "max_tokens": new, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            start = time.perf_counter()
+            last, count = None, 0
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    errors.append(r.status_code)
+                    await r.aread()
+                    continue
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        count = chunk["usage"]["completion_tokens"]
+                    if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        ttfts.append(now - start)
+                    else:
+                        gaps.append(now - last)
+                    last = now
+            tokens.append(count)
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": sum(tokens), "ttft": ttfts, "gaps": gaps, "errors": errors}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not become healthy")
+
+
+def offline(model: str, prompts: list[list[int]], new: int, batch: int) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    from spark.engine.engine import Engine
+    from spark.engine.sampling import SamplingParams
+
+    engine = Engine.load(model, progress=False, max_model_len=len(prompts[0]) + new + 16)
+    if engine.enable_cuda_graphs(batch):
+        engine.graphs.capture_all()
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    engine.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params, max_batch_size=batch, max_prefill_tokens=8192)
+    sync()
+    return sum(len(o) for o in out) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--port", type=int, default=8321)
+    ap.add_argument("--scheduler", default="slai")
+    ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--out", default="serving.json")
+    ap.add_argument("--settle", type=float, default=20.0, help="seconds for graph capture before timing")
+    args = ap.parse_args()
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 500) for _ in range(args.prompt)] for _ in range(args.requests)]
+    url = f"http://127.0.0.1:{args.port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "spark.cli", "serve", "--model", args.model, "--port", str(args.port),
+           "--max-batch-size", str(args.clients), "--max-model-len", str(args.prompt + args.new + 16),
+           "--max-prefill-tokens", str(args.max_prefill_tokens), "--scheduler", args.scheduler]
+    server = subprocess.Popen(cmd, env=env)
+    try:
+        wait_healthy(url, server)
+        time.sleep(args.settle)  # let the background CUDA-graph capture finish before timing
+        asyncio.run(load(url, prompts[: args.clients], args.clients, 8))  # warm-up
+        result = asyncio.run(load(url, prompts, args.clients, args.new))
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    serving_tok_s = result["output_tokens"] / result["wall_s"]
+    offline_tok_s = offline(args.model, prompts, args.new, args.clients)
+    entry = {
+        "bench": "serving", "model": args.model.removeprefix("dummy:"), "clients": args.clients,
+        "requests": args.requests, "prompt_tokens": args.prompt, "new_tokens": args.new,
+        "output_tok_s": round(serving_tok_s, 1), "offline_tok_s": round(offline_tok_s, 1),
+        "ratio_to_offline": round(serving_tok_s / offline_tok_s, 3),
+        "ttft_p50_ms": round(1000 * percentile(result["ttft"], 0.5), 1),
+        "ttft_p99_ms": round(1000 * percentile(result["ttft"], 0.99), 1),
+        "itl_p50_ms": round(1000 * percentile(result["gaps"], 0.5), 2),
+        "itl_p99_ms": round(1000 * percentile(result["gaps"], 0.99), 2),
+        "errors": len(result["errors"]),
+    }
+    print(json.dumps(entry))
+    print(f"serving {serving_tok_s:.0f} tok/s, offline {offline_tok_s:.0f} tok/s, ratio {entry['ratio_to_offline']}; "
+          f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms")
+    with open(args.out, "w") as f:
+        json.dump(entry, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
