@@ -133,7 +133,7 @@ def main() -> int:
         if not args.no_hf:
             for r in results:
                 if r["model"] == preset:
-                    hf = hf_decode(config, r["batch"], 32 if preset == "llama-3.1-8b" and r["batch"] == 1 else NEW)
+                    hf = hf_decode(config, r["batch"], 16 if preset == "llama-3.1-8b" and r["batch"] == 1 else NEW)
                     r["hf_tok_s"] = None if hf is None else round(hf, 1)
                     print(f"hf {preset} batch {r['batch']}: {r['hf_tok_s']}", file=sys.stderr, flush=True)
 
