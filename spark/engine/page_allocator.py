@@ -69,6 +69,8 @@ class PageAllocator:
         """Give a new sequence pages for ``num_tokens`` tokens. Returns its block table."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
+        if self.pages_for(num_tokens) > len(self._free):
+            raise OutOfPages(f"sequence {seq_id!r} needs {self.pages_for(num_tokens)} pages, {len(self._free)} free")
         self._tables[seq_id] = []
         return self.append(seq_id, num_tokens)
 
