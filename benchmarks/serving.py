@@ -48,8 +48,7 @@ async def load(url: str, prompts: list[list[int]], clients: int, new: int) -> di
             last, count = None, 0
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
-                    errors.append(r.status_code)
-                    await r.aread()
+                    errors.append(f"{r.status_code} {(await r.aread())[:200]!r}")
                     continue
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -156,6 +155,8 @@ def main() -> int:
         "itl_p99_ms": round(1000 * percentile(result["gaps"], 0.99), 2),
         "errors": len(result["errors"]),
     }
+    if result["errors"]:
+        print("errors, e.g.:", sorted(set(result["errors"]))[:5])
     print(json.dumps(entry))
     print(f"serving {serving_tok_s:.0f} tok/s, offline {offline_tok_s:.0f} tok/s, ratio {entry['ratio_to_offline']}; "
           f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms")

@@ -100,7 +100,8 @@ async def open_system(
 
     async with trio.open_nursery() as nursery:
         capture = None
-        if execute is None and getattr(engine, "enable_cuda_graphs", None) and engine.enable_cuda_graphs(config.max_batch_size):
+        execute = execute or getattr(engine, "execute", None)  # an EngineProcess steps (and captures) itself
+        if execute is None and engine.enable_cuda_graphs(config.max_batch_size):
             capture = engine.capture_next_graph
         await nursery.start(
             functools.partial(gpu_runner.run, capture_next=capture),

@@ -48,6 +48,7 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
     Raises:
       Exception: what made start-up fail, e.g. ``ModelLoadError``.
     """
+    owns_engine = engine is None
     if engine is None:  # here rather than at ASGI start-up, so that a load error reaches the caller as is
         engine = await load_engine(config)
     app = create_app(config, engine=engine)
@@ -67,6 +68,8 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
                 print(f"Spark serving {state.limits.served_name} on {url}", flush=True)
             task_status.started(url)
     finally:
+        if owns_engine and hasattr(engine, "close"):
+            engine.close()  # an engine process: its GPU memory goes with it
         if state.startup_error is not None:  # the real error (a ModelLoadError, say), not hypercorn's wrapper
             raise state.startup_error from None
 

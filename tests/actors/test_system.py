@@ -56,7 +56,7 @@ async def assert_idle_and_free(system, allocator, *, timeout=20.0):
 async def test_preflight_makes_the_system_ready(real_engine):
     async with open_system(real_engine, ServeConfig()) as system:
         assert system.ready
-        assert system.max_model_len == real_engine.max_model_len and system.served_name == "spark"
+        assert system.max_model_len == real_engine.max_model_len and system.served_name == "smollm2-135m-instruct"
 
 
 async def test_simultaneous_greedy_requests_produce_what_they_produce_alone(real_engine):
