@@ -127,6 +127,7 @@ def main() -> int:
             results.append({"bench": "offline_decode", "model": preset, "batch": batch, "tok_s": round(tok_s, 1),
                             "roofline_tok_s": round(roof, 1), "roofline_frac": round(tok_s / roof, 3), "hf_tok_s": None})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            _write(args, results)
         config = engine.config
         del engine
         torch.cuda.empty_cache()
@@ -136,10 +137,16 @@ def main() -> int:
                     hf = hf_decode(config, r["batch"], 16 if preset == "llama-3.1-8b" and r["batch"] == 1 else NEW)
                     r["hf_tok_s"] = None if hf is None else round(hf, 1)
                     print(f"hf {preset} batch {r['batch']}: {r['hf_tok_s']}", file=sys.stderr, flush=True)
+                    _write(args, results)  # partial results survive a run cut short
 
+    _write(args, results)
     print(f"{'model':14} {'batch':>5} {'tok/s':>9} {'roofline':>9} {'frac':>6} {'hf tok/s':>9}")
     for r in results:
         print(f"{r['model']:14} {r['batch']:>5} {r['tok_s']:>9} {r['roofline_tok_s']:>9} {r['roofline_frac']:>6} {str(r['hf_tok_s']):>9}")
+    return 0
+
+
+def _write(args, results: list) -> None:
     doc = {
         "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
         "commit": args.commit or _commit(), "command": " ".join(["python"] + sys.argv), "results": results,
@@ -147,7 +154,6 @@ def main() -> int:
     out = args.out or f"benchmarks/results/{doc['date']}-{doc['gpu'].split()[-1].lower()}.json"
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
-    return 0
 
 
 def _commit() -> str:
