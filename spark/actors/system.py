@@ -101,7 +101,8 @@ async def open_system(
     async with trio.open_nursery() as nursery:
         capture = None
         execute = execute or getattr(engine, "execute", None)  # an EngineProcess steps (and captures) itself
-        if execute is None and engine.enable_cuda_graphs(config.max_batch_size):
+        can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
+        if execute is None and can_capture is not None and can_capture(config.max_batch_size):
             capture = engine.capture_next_graph
         await nursery.start(
             functools.partial(gpu_runner.run, capture_next=capture),
