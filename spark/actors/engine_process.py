@@ -87,6 +87,10 @@ class EngineProcess:
         self._conn.send(work)
         return self._conn.recv()
 
+    def unload(self) -> None:
+        """Free the model (a profile switch): the process and all its memory go."""
+        self.close()
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the process; its memory (the GPU's too) is freed with it."""
         try:
