@@ -39,17 +39,32 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--scheduler", choices=("fifo", "slai"), default=None)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--api-key", action="append", default=None, help="accepted Bearer key (repeatable)")
+    srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")
+    srv.add_argument("--recipes", default=None, help="the recipes directory (default with --recipe: recipes/)")
+    srv.add_argument("--admin-key", default=None, help="Bearer key of the admin API (/api/inference)")
+    srv.add_argument("--tool-call-parser", choices=("auto", "none", "hermes", "qwen3_coder", "minimax"), default=None,
+                     help="tool-call format of the model's output (default auto: from the chat template)")
+    srv.add_argument("--reasoning-parser", choices=("auto", "none", "think"), default=None,
+                     help="split <think> reasoning off the answer (default auto: when the model has <think>)")
+    srv.add_argument("--max-thinking-budget", type=int, default=None,
+                     help="reasoning tokens per request at most (default: unlimited)")
+    srv.add_argument("--disable-thinking", action="store_true", default=None,
+                     help="thinking off unless a request turns it on (chat_template_kwargs.enable_thinking)")
 
     chat = sub.add_parser("chat", help="talk to a model in the terminal")
     chat.add_argument("--url", default=None, help="a running Spark server (default: start the default model here)")
     chat.add_argument("--model", default="default")
+
+    from spark.cli_inference import add_commands
+
+    handlers = {"generate": _generate, "serve": _serve, "chat": _chat, **add_commands(sub)}
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from spark.engine.errors import ModelLoadError
 
     try:
-        return {"generate": _generate, "serve": _serve, "chat": _chat}[args.command](args)
+        return handlers[args.command](args)
     except (ModelLoadError, ValueError) as exc:
         print(f"spark: {exc}", file=sys.stderr)
         return 2
@@ -87,9 +102,22 @@ def _serve(args) -> int:
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
         scheduler=args.scheduler, max_model_len=args.max_model_len,
         api_keys=tuple(args.api_key) if args.api_key else None,
+        recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, **_state_paths(),
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,
     )
     serve(config)
     return 0
+
+
+def _state_paths() -> dict:
+    """Where ``spark serve`` keeps its activity log and usage counters, unless SPARK_* variables say."""
+    import os
+    import pathlib
+
+    base = pathlib.Path(os.environ.get("XDG_STATE_HOME") or pathlib.Path.home() / ".local" / "state") / "spark"
+    return {"activity_log_path": os.environ.get("SPARK_ACTIVITY_LOG_PATH") or str(base / "activity.jsonl"),
+            "usage_path": os.environ.get("SPARK_USAGE_PATH") or str(base / "usage.json")}
 
 
 def _chat(args) -> int:

@@ -14,6 +14,8 @@ import attrs
 import cattrs
 
 POLICIES = ("fifo", "slai")
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "minimax")  # spark.parsers.TOOL_PARSERS + auto/none
+REASONING_PARSERS = ("auto", "none", "think")
 
 
 @attrs.frozen
@@ -23,6 +25,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     device: str | None = None  # "cpu" | "cuda"; the GPU when there is one
+    # The engine in its own process ("on"), in a thread of the server ("off"), or on
+    # when the device is a GPU ("auto"): there the HTTP side's Python would stall it.
+    engine_process: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     max_batch_size: int = 64  # running sequences at most
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(POLICIES))
@@ -37,6 +42,40 @@ class ServeConfig:
     rate_limit_max_keys: int = 10_000  # keys tracked at most; the idlest are forgotten first
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     default_max_tokens: int = 1024  # when a request names none (capped by the context left)
+    # The Responses API's stored responses and conversations (spark.state): a SQLite file; None:
+    # $XDG_DATA_HOME/spark/state.sqlite3 (~/.local/share/spark/...), ":memory:": nothing survives a restart.
+    state_path: str | None = None
+    state_max_age_s: float = 30 * 24 * 3600.0  # stored objects unused for longer are evicted
+    state_max_bytes: int = 1 << 30  # stored JSON at most; the oldest objects are evicted first
+    # Chat output parsing (spark.http.turn): "auto" (or None) detects the tool-call format from the
+    # chat template; "auto" reasoning is on when the template or the vocabulary has <think>.
+    tool_call_parser: str = attrs.field(default="auto", validator=attrs.validators.optional(
+        attrs.validators.in_(TOOL_CALL_PARSERS)))
+    reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(REASONING_PARSERS))
+    max_thinking_budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.ge(0)))  # reasoning tokens per request at most; None: unlimited
+    disable_thinking: bool = False  # thinking off unless a request turns it on
+    # Recipes and the one-slot control plane (spark.recipes, spark.control). Without recipes_dir and
+    # recipe the server serves `model` alone, as an implicit recipe.
+    recipes_dir: str | None = None  # the recipes directory; the project's recipes/ when only `recipe` is set
+    recipe: str | None = None  # the recipe active at start; none loaded until named when unset
+    switch_on_demand: bool = True  # a request naming another recipe switches to it (503 + Retry-After meanwhile)
+    switch_grace_s: float = 30.0  # how long in-flight requests may finish before a switch cuts them off
+    admin_key: str | None = None  # Bearer key of /api/inference/*; required there once any key is configured
+    activity_log_path: str | None = None  # one JSON line per generation request; None: no log
+    activity_log_max_bytes: int = 50 << 20  # rotated by size...
+    activity_log_max_age_s: float = 7 * 24 * 3600.0  # ...and by age
+    usage_path: str | None = None  # token counters per recipe, kept across restarts; None: in memory only
+
+    def uses_engine_process(self) -> bool:
+        """Whether the engine runs in a process of its own (``engine_process``: auto = on a GPU)."""
+        if self.engine_process != "auto":
+            return self.engine_process == "on"
+        if self.device is not None:
+            return self.device.startswith("cuda")
+        import torch
+
+        return torch.cuda.is_available()
 
     def resolved_served_name(self) -> str:
         """The name clients use: ``served_name``, else the model file's (or directory's) stem."""
@@ -72,10 +111,32 @@ class ServeConfig:
         try:
             return _converter.structure(raw, cls)
         except Exception as exc:  # cattrs groups every bad field into one exception
-            lines = cattrs.transform_error(exc, path="SPARK") if isinstance(exc, cattrs.BaseValidationError) else [str(exc)]
+            lines = (cattrs.transform_error(exc, path="SPARK", format_exception=_describe)
+                     if isinstance(exc, cattrs.BaseValidationError) else [str(exc)])
             raise ValueError("; ".join(lines)) from None
+
+
+def _describe(exc: BaseException, tp: type | None) -> str:
+    if isinstance(exc, ValueError) and exc.args:  # a validator's message names the field and the choices
+        return f"invalid value ({exc.args[0]})"
+    return cattrs.v.format_exception(exc, tp)
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
 _converter.register_structure_hook(int | None, lambda v, _: None if v in (None, "", "none") else int(v))
-_converter.register_structure_hook(str | None, lambda v, _: None if v in (None, "") else str(v))
+_converter.register_structure_hook(str | None, lambda v, _: None if v in (None, "", "none") else str(v))
+
+
+def _as_bool(value: object, _: type) -> bool:
+    """A bool, or its spelling in an environment variable (``bool("0")`` would be True)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+
+
+_converter.register_structure_hook(bool, _as_bool)

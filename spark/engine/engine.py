@@ -168,6 +168,14 @@ class Engine:
     def new_page_allocator(self) -> PageAllocator:
         return PageAllocator(self.kv_cache.num_pages, self.page_size)
 
+    def unload(self) -> None:
+        """Drop the weights, the KV cache and the CUDA graphs now, even if this object stays referenced
+        somewhere (a switch frees one model's memory before loading the next). The engine is unusable after."""
+        self.graphs = None
+        self.kv_cache = None
+        self.model = None
+        self._seqs.clear()
+
     # -- sequences --------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Register a sequence; its tokens are computed by later steps."""

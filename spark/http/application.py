@@ -1,8 +1,10 @@
-"""The quart-trio app: start-up (load the engine, open the actor system), auth, shutdown.
+"""The quart-trio app: start-up (recipes, the slot, the first model), auth, shutdown.
 
-The actor system lives in a task of the app's lifespan nursery (``app.nursery``):
-it enters ``open_system`` and waits for shutdown, so requests can reach it from
-any handler and it is closed before hypercorn exits.
+The slot (``spark.control.slot``) lives in a task of the app's lifespan nursery
+(``app.nursery``): it loads models, hosts each one's actor system, switches between
+recipes, and tells this module which model the routes use (``_publish``). Without
+recipe settings the server's one model is an implicit recipe, loaded at start-up
+as before. The slot is closed before hypercorn exits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from quart import g, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGILifespan
 
-from spark.http import errors, routes
+from spark.http import admin, anthropic, errors, gateway, responses, routes
 from spark.http.errors import ApiError
 from spark.http.params import Limits
 from spark.serve_config import ServeConfig
@@ -26,7 +28,7 @@ from spark.serve_config import ServeConfig
 log = logging.getLogger("spark.http")
 
 NEEDS_TRIO = "Spark's HTTP server needs hypercorn's trio worker: run `hypercorn -k trio spark.http:app`"
-SHUTDOWN_GRACE_S = 10.0  # for the actor system to close after the last request
+SHUTDOWN_GRACE_S = 10.0  # for the slot (and its actor system) to close after the last request
 
 
 @attrs.define(eq=False)
@@ -35,11 +37,11 @@ class SparkState:
 
     config: ServeConfig | None  # None: read SPARK_* variables at start-up
     engine: object | None = None  # given by a test, or loaded at start-up
-    system: object | None = None  # the SparkSystem, once open
-    limits: Limits | None = None  # set once start-up succeeded
+    system: object | None = None  # the active model (a LocalModel: SparkSystem's surface); None: 503
+    limits: Limits | None = None  # the active model's, with it
+    slot: object | None = None  # the spark.control.slot.Slot, once start-up made it
     startup_error: BaseException | None = None  # why start-up failed (hypercorn reports only its text)
     started_at: int = attrs.field(factory=lambda: int(time.time()))
-    stop: trio.Event = attrs.field(factory=trio.Event)
     stopped: trio.Event = attrs.field(factory=trio.Event)
 
 
@@ -83,8 +85,13 @@ def create_app(config: ServeConfig | None = None, *, engine=None) -> QuartTrio:
     app.before_serving(functools.partial(_start, app, state))
     app.after_serving(functools.partial(_stop, state))
     app.before_request(functools.partial(_authenticate, state))
+    app.after_request(_close_if_body_unread)
+    gateway.install(app, state)  # after _authenticate: it logs the key's id
     app.register_blueprint(routes.bp)
+    app.register_blueprint(admin.bp)
     errors.install(app)
+    anthropic.install(app)  # /v1/messages*, with Anthropic-shaped errors
+    responses.install(app)  # /v1/responses*, /v1/conversations*, and their SQLite store
     return app
 
 
@@ -93,57 +100,85 @@ async def _start(app: QuartTrio, state: SparkState) -> None:
         await _open(app, state)
     except BaseException as exc:
         state.startup_error = exc
+        state.stopped.set()  # nothing to stop
         raise
 
 
 async def _open(app: QuartTrio, state: SparkState) -> None:
-    from spark.actors.system import open_system
+    """Read the recipes, make the slot, and bring the start-up recipe up through it (preflight included)."""
+    from spark.control.activity import ActivityLog
+    from spark.control.slot import Slot
+    from spark.control.usage import UsageCounters
+    from spark.recipes.serving import catalog_for
 
     if state.config is None:
         state.config = ServeConfig.from_env()
         app.config["MAX_CONTENT_LENGTH"] = state.config.max_body_bytes
     config = state.config
-    if state.engine is None:
-        state.engine = await load_engine(config)
-    state.system = await app.nursery.start(_run_system, open_system, state)
-    system = state.system
-    vocab = min(system.tokenizer.vocab_size, state.engine.config.vocab_size)
-    state.limits = Limits(system.served_name, system.max_model_len, vocab, config.default_max_tokens)
+    catalog, initial = catalog_for(config)
+    for problem in catalog.problems:
+        log.warning("recipe skipped: %s", problem)
+    activity = None
+    if config.activity_log_path:
+        activity = ActivityLog(config.activity_log_path, max_bytes=config.activity_log_max_bytes,
+                               max_age_s=config.activity_log_max_age_s)
+    state.slot = Slot(catalog, config, publish=functools.partial(_publish, state), engine=state.engine,
+                      activity=activity, usage=UsageCounters(config.usage_path), current_tally=gateway.current_tally)
+    await app.nursery.start(_run_slot, state, initial)
 
 
 async def load_engine(config: ServeConfig):
-    """Load ``config.model`` in a worker thread, so the event loop keeps running.
+    """Load the engine of the recipe active at start (without recipes: ``config.model``) in a worker
+    thread; None when that recipe is not a spark one (or there is none).
+
+    ``spark serve`` calls it before the server listens, so that a bad recipe or a load error reaches
+    the caller as is; the slot then takes the engine over (``create_app(config, engine=...)``).
 
     Raises:
+        ValueError: ``config.recipe`` is unknown or invalid.
         ModelLoadError: the model cannot be read.
     """
-    from spark.engine.engine import Engine
+    from spark.control.local import load_engine as load
+    from spark.recipes.serving import catalog_for, engine_dtype, recipe_config
 
-    load = functools.partial(Engine.load, config.model, device=config.device, page_size=config.page_size,
-                             kv_cache_bytes=config.kv_cache_bytes, max_model_len=config.max_model_len)
-    return await trio.to_thread.run_sync(load, abandon_on_cancel=True)  # Ctrl-C need not wait for it
+    _, initial = catalog_for(config)
+    if initial is None or initial.engine != "spark":
+        return None
+    model, dummy = initial.load_spec()
+    return await load(recipe_config(config, initial), model=model, dummy_config=dummy, dtype=engine_dtype(initial))
 
 
-async def _run_system(open_system, state: SparkState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    started = False
+def _publish(state: SparkState, model) -> None:
+    """The slot's model changed: the routes use ``model`` (a ``LocalModel``, or None: 503) from now on."""
+    state.system = model
+    state.engine = model.engine if model is not None else None
+    if model is None:
+        state.limits = None
+        return
+    vocab = min(model.tokenizer.vocab_size, model.engine.vocab_size)
+    state.limits = Limits(model.served_name, model.max_model_len, vocab, model.config.default_max_tokens,
+                          tuple(model.recipe.sampling.defaults().items()))
+
+
+async def _run_slot(state: SparkState, initial, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     try:
-        async with open_system(state.engine, state.config) as system:
-            task_status.started(system)
-            started = True
-            await state.stop.wait()
-    except Exception:
-        if not started:
-            raise  # start-up fails: hypercorn reports it and exits
-        # Later, the app must not die with the system's task; it answers 503 instead.
-        log.exception("the actor system failed")
-        state.system = None
+        await state.slot.run(initial, task_status=task_status)  # a failure before started fails start-up
     finally:
         state.stopped.set()
 
 
 async def _stop(state: SparkState) -> None:
-    state.stop.set()
+    if state.slot is not None:
+        state.slot.stop()
     await state.stopped.wait()  # bounded: quart gave the nursery a deadline of SHUTDOWN_GRACE_S
+
+
+async def _close_if_body_unread(response):
+    # A request refused before its body was read leaves that body on the wire; a
+    # client reusing the connection would then wait on a reply that never comes.
+    if g.get("body_unread") and request.method in ("POST", "PUT", "PATCH"):
+        response.headers["Connection"] = "close"
+    return response
 
 
 async def _authenticate(state: SparkState) -> None:
@@ -152,8 +187,16 @@ async def _authenticate(state: SparkState) -> None:
     if not keys or not request.path.startswith("/v1/"):
         return
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if request.path.startswith(anthropic.PREFIX) and request.headers.get("x-api-key", "").strip():
+        scheme, token = "bearer", request.headers["x-api-key"]  # Anthropic's clients send their key so
+    if scheme.lower() != "bearer" or not token.strip() or not any(
+        hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
+    ):
+        g.body_unread = True  # refused before the body was read: the connection must not be reused
     if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>`", code="invalid_api_key")
+        raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>`"
+                       + (" or `x-api-key: <key>`" if request.path.startswith(anthropic.PREFIX) else ""),
+                       code="invalid_api_key")
     token = token.strip()
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
         raise ApiError(401, "invalid API key", code="invalid_api_key")

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 
 from spark.actors.messages import TokenLogprob
+from spark.parsers import ReasoningDelta, ToolCallDelta, to_openai_tool_call_deltas
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
@@ -55,8 +56,28 @@ def chat_chunk(head: dict, index: int, delta: dict, *, finish_reason: str | None
     return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprob] | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_delta(event) -> dict:
+    """The ``delta`` of a chunk carrying one ``spark.http.turn`` event (content, reasoning or a call)."""
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
+    if isinstance(event, ToolCallDelta):
+        return {"tool_calls": to_openai_tool_call_deltas([event])}
+    return {"content": event.text}
+
+
+def chat_message(result, *, reasoning: bool) -> dict:
+    """The assistant ``message`` of a ``TurnResult``: content (None when only calls), calls, reasoning."""
+    message = {"role": "assistant", "content": result.content or (None if result.tool_calls else "")}
+    if reasoning:
+        message["reasoning_content"] = result.reasoning or None
+    if result.tool_calls:
+        message["tool_calls"] = result.openai_tool_calls()
+    return message
+
+
+def chat_choice(index: int, message: dict, finish_reason: str | None,
+                logprobs: Sequence[TokenLogprob] | None) -> dict:
+    return {"index": index, "message": message,
             "logprobs": None if logprobs is None else chat_logprobs(logprobs), "finish_reason": finish_reason}
 
 

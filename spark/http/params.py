@@ -6,21 +6,23 @@ what the checks need to know about the served model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextvars
+import json
+import secrets
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from spark.actors.messages import GenerateRequest
-from spark.engine.chat_template import ChatTemplateError
 from spark.engine.sampling import MAX_LOGPROBS, SamplingParams
 from spark.http.errors import ApiError
-from spark.http.schemas import ChatRequest, CompletionRequest, SamplingFields
+from spark.http.schemas import ChatRequest, CompletionRequest, MessageToolCall, SamplingFields
+from spark.http.turn import ToolChoice, effort_thinking
 
 MAX_N = 16
 MAX_STOP = 16
 MODEL_ALIAS = "sparky"
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @attrs.frozen
@@ -31,6 +33,7 @@ class Limits:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # the recipe's, for fields a request leaves out
 
 
 @attrs.frozen
@@ -43,8 +46,19 @@ class Job:
     include_usage: bool
 
 
+#: Set per request by the app's router (``spark.http.gateway``) when it serves recipes: it checks that
+#: ``name`` still resolves to the model this request holds, raising ``ApiError`` (404, or 503 mid-switch).
+model_resolver: contextvars.ContextVar[Callable[[str | None], None] | None] = contextvars.ContextVar(
+    "spark_model_resolver", default=None)
+
+
 def check_model(name: str | None, served_name: str) -> None:
-    """A missing name means the served model; ``sparky`` is its alias."""
+    """A missing name means the served model; ``sparky`` is its alias; with recipes, names go
+    through the registry (``model_resolver``)."""
+    resolve = model_resolver.get()
+    if resolve is not None:
+        resolve(name)
+        return
     if name is not None and name not in (served_name, MODEL_ALIAS):
         raise ApiError(404, f"model {name!r} does not exist; this server serves {served_name!r}",
                        param="model", code="model_not_found")
@@ -65,7 +79,7 @@ def base_params(req: SamplingFields, limits: Limits, *, max_tokens: int | None, 
     fields = {name: getattr(req, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "seed", "logit_bias", "ignore_eos")}
-    fields = {k: v for k, v in fields.items() if v is not None}
+    fields = {**dict(limits.sampling_defaults), **{k: v for k, v in fields.items() if v is not None}}
     try:
         return SamplingParams(**fields, logprobs=logprobs, max_tokens=max_tokens or limits.default_max_tokens)
     except ValueError as exc:
@@ -89,14 +103,15 @@ def num_choices(n: int | None) -> int:
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
-    """The conversation as the chat template reads it: roles normalized, text parts joined."""
+    """The conversation as OpenAI-shaped dicts (``spark.http.turn`` reads them): roles normalized,
+    text parts joined, assistant ``tool_calls`` and tool results kept."""
     if not req.messages:
         raise ApiError(400, "messages must hold at least one message", param="messages")
     out = []
     for i, m in enumerate(req.messages):
         role = _ROLES.get(m.role)
         if role is None:
-            raise ApiError(400, f"unsupported role {m.role!r}; use system, developer, user or assistant",
+            raise ApiError(400, f"unsupported role {m.role!r}; use system, developer, user, assistant or tool",
                            param=f"messages[{i}].role")
         content = m.content
         if isinstance(content, list):
@@ -109,21 +124,70 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             if role != "assistant":
                 raise ApiError(400, f"a {m.role} message needs content", param=f"messages[{i}].content")
             content = ""
-        out.append({"role": role, "content": content} | ({"name": m.name} if m.name else {}))
+        message = {"role": role, "content": content} | ({"name": m.name} if m.name else {})
+        if role == "tool":
+            if not m.tool_call_id:
+                raise ApiError(400, "a tool message needs the tool_call_id it answers",
+                               param=f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+        if role == "assistant" and m.tool_calls:
+            message["tool_calls"] = [_message_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                     for j, call in enumerate(m.tool_calls)]
+        if role == "assistant" and m.reasoning_content:
+            message["reasoning_content"] = m.reasoning_content
+        out.append(message)
     return out
 
 
-def encode_chat(tokenizer, req: ChatRequest) -> list[int]:
-    """Render and encode the conversation (call it off the event loop: templates can be slow)."""
-    messages = chat_messages(req)
-    kwargs = req.chat_template_kwargs or {}
-    bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if bad:
-        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
-    try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
-    except ChatTemplateError as exc:
-        raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from None
+def _message_tool_call(call: MessageToolCall, param: str) -> dict:
+    if call.type != "function":
+        raise ApiError(400, f"only function tool calls are supported, got {call.type!r}", param=f"{param}.type")
+    arguments = call.function.arguments
+    if arguments is None:
+        arguments = "{}"
+    elif not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)  # as OpenAI sends them: a JSON string
+    return {"id": call.id or f"call_{secrets.token_hex(8)}", "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def chat_tools(req: ChatRequest) -> list[dict] | None:
+    """The request's tools as OpenAI dicts (``spark.http.turn.check_tools`` checks them)."""
+    if not req.tools:
+        return None
+    return [{"type": tool.type} | ({} if tool.function is None else
+                                   {"function": {k: v for k, v in attrs.asdict(tool.function).items() if v is not None}})
+            for tool in req.tools]
+
+
+def tool_choice(req: ChatRequest) -> ToolChoice:
+    """``tool_choice``: "none", "auto" (the default), "required", or ``{"type": "function", "function": {"name"}}``."""
+    choice = req.tool_choice
+    if choice is None:
+        return ToolChoice("auto")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                           param="tool_choice")
+        return ToolChoice(choice)
+    if choice.type != "function":
+        raise ApiError(400, f"tool_choice type must be function, got {choice.type!r}", param="tool_choice.type")
+    return ToolChoice.named(choice.function.name)
+
+
+def chat_turn(req: ChatRequest) -> dict:
+    """The keyword arguments of ``spark.http.turn.prepare_turn`` for a chat completion request.
+
+    Thinking: ``thinking_budget`` (Spark's field) wins over ``reasoning_effort``, which maps
+    through ``EFFORT_BUDGETS``; ``reasoning_effort: "none"`` turns thinking off.
+    """
+    enable_thinking, budget = effort_thinking(req.reasoning_effort)
+    if req.thinking_budget is not None:
+        budget = req.thinking_budget
+    return {"messages": chat_messages(req), "tools": chat_tools(req), "tool_choice": tool_choice(req),
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "chat_template_kwargs": req.chat_template_kwargs or {}, "enable_thinking": enable_thinking,
+            "thinking_budget": budget}
 
 
 def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,11 +12,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, current_app, g, request
 
 from spark.actors.system import SubmitError
+from spark.compaction import answer_reserve, prepare_fitting_turn
 from spark.http import formatting as fmt
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
-from spark.http.params import Job, base_params, build_job, check_model, encode_chat, encode_prompts, logprobs_k
+from spark.http.params import MODEL_ALIAS, Job, base_params, build_job, chat_turn, check_model, encode_prompts, logprobs_k
 from spark.http.schemas import ChatRequest, CompletionRequest, parse_body
+from spark.http.turn import ContentDelta, TurnDone, TurnParser, chat_format
 
 bp = Blueprint("openai", __name__)
 
@@ -45,23 +48,27 @@ async def metrics():
     return Response(generate_latest(_system().metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card() -> dict:
-    state = _state()
-    return {"id": state.limits.served_name, "object": "model", "created": state.started_at, "owned_by": "spark",
-            "max_model_len": state.limits.max_model_len}
+def _slot():
+    slot = _state().slot
+    if slot is None:
+        _system()  # start-up has not run: 503
+    return slot
 
 
 @bp.get("/v1/models")
 async def list_models():
-    _system()
-    return {"object": "list", "data": [_model_card()]}
+    """Every registered model name (served names and aliases) with its state: active, loading, available..."""
+    return {"object": "list", "data": _slot().model_cards(_state().started_at)}
 
 
 @bp.get("/v1/models/<path:name>")
 async def get_model(name: str):
-    _system()
-    check_model(name, _state().limits.served_name)
-    return _model_card()
+    card = _slot().model_card(name, _state().started_at)
+    if card is None:
+        if name == MODEL_ALIAS:
+            _system()  # no model is active: 503
+        raise ApiError(404, f"model {name!r} does not exist", param="model", code="model_not_found")
+    return card
 
 
 @bp.post("/v1/chat/completions")
@@ -71,17 +78,28 @@ async def chat_completions():
     check_model(req.model, limits.served_name)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = base_params(req, limits, max_tokens=max_tokens, logprobs=logprobs_k(req))
-    prompt = await trio.to_thread.run_sync(encode_chat, system.tokenizer, req)
+    writes = chat_format(system.config, system.tokenizer)  # the served model's tool-call and reasoning format
+    kwargs = chat_turn(req)  # compacted to leave room for the answer (spark.compaction): stage in a header
+    reserve = answer_reserve(limits.max_model_len, max_tokens, limits.default_max_tokens)
+    turn, stage = await trio.to_thread.run_sync(functools.partial(
+        prepare_fitting_turn, system.tokenizer, writes, kwargs.pop("messages"), max_model_len=limits.max_model_len,
+        reserve=reserve, **kwargs))
+    compaction = {"X-Spark-Compaction": stage} if stage else {}
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    job = build_job(rid, req, [prompt], params, limits, api_key=g.api_key)
+    job = build_job(rid, req, [turn.prompt.prompt_ids], turn.sampling(params), limits, api_key=g.api_key)
+    parsers = [turn.parser() for _ in job.requests]
     head = {"id": rid, "created": int(time.time()), "model": limits.served_name}
     fanin = await submit_job(system, job, current_app.nursery)
     if job.stream:
-        return _sse(_chat_events(head, job, fanin))
-    texts, logprobs, reasons, completion_tokens = await _collect(job, fanin)
-    choices = [fmt.chat_choice(i, texts[i], reasons[i], logprobs[i]) for i in range(len(texts))]
+        response = _sse(_chat_events(head, job, fanin, parsers))
+        response.headers.update(compaction)
+        return response
+    dones, logprobs = await _collect_turns(job, fanin, parsers)
+    choices = [fmt.chat_choice(i, fmt.chat_message(done.result, reasoning=parsers[i].reasoning), done.finish_reason,
+                               logprobs[i]) for i, done in enumerate(dones)]
     return {**head, "object": "chat.completion", "choices": choices,
-            "usage": fmt.usage(job.prompt_tokens, completion_tokens)}
+            "usage": fmt.usage(job.prompt_tokens, sum(d.usage.completion_tokens for d in dones))} | (
+        {"spark_compaction": stage} if stage else {}), 200, compaction
 
 
 @bp.post("/v1/completions")
@@ -163,7 +181,32 @@ async def _collect(job: Job, fanin: FanIn):
     return ["".join(t) for t in texts], logprobs, reasons, completion_tokens
 
 
-async def _chat_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterator[bytes]:
+async def _collect_turns(job: Job, fanin: FanIn, parsers: list[TurnParser]):
+    """Wait for every choice's ``TurnDone``; returns them and per choice its logprobs (or None).
+
+    Raises:
+        ApiError: a choice failed, or broke its tool choice.
+    """
+    dones: list[TurnDone | None] = [None] * len(parsers)
+    logprobs = [[] if r.params.logprobs is not None else None for r in job.requests]
+    try:
+        async for i, piece in fanin:
+            if logprobs[i] is not None:
+                logprobs[i].extend(piece.logprobs)
+            for event in parsers[i].step(piece):
+                if isinstance(event, TurnDone):
+                    if event.error is not None:
+                        raise event.error
+                    dones[i] = event
+    except StreamFailed as exc:
+        raise ApiError(500, f"generation failed: {exc}", code="generation_failed") from None
+    finally:
+        fanin.close()
+    return dones, logprobs
+
+
+async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnParser]) -> AsyncIterator[bytes]:
+    """The chunks of a streamed chat completion; an error is an ``{"error"}`` event, then ``[DONE]``."""
     if job.include_usage:
         head = {**head, "usage": None}  # as OpenAI: every chunk has the key, only the last a value
     completion_tokens = 0
@@ -171,22 +214,27 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterator[byte
         for i in range(len(job.requests)):
             yield fmt.sse(fmt.chat_chunk(head, i, {"role": "assistant", "content": ""}))
         async for i, piece in fanin:
-            if piece.finish_reason == "error":
-                yield fmt.sse(_failed(piece).body())
+            events = parsers[i].step(piece)
+            done = events.pop() if events and isinstance(events[-1], TurnDone) else None
+            if done is not None and done.error is not None:
+                yield fmt.sse(done.error.body())
+                yield fmt.SSE_DONE
                 return
-            wants_logprobs = job.requests[i].params.logprobs is not None
-            if piece.text or (wants_logprobs and piece.logprobs):
-                yield fmt.sse(fmt.chat_chunk(head, i, {"content": piece.text},
-                                             logprobs=piece.logprobs if wants_logprobs else None))
-            if piece.finish_reason is not None:
-                completion_tokens += piece.num_output_tokens
-                yield fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=piece.finish_reason))
+            logprobs = piece.logprobs if job.requests[i].params.logprobs is not None else None
+            if logprobs and not events:  # the piece's text is held back, its tokens are not
+                events = [ContentDelta("")]
+            for k, event in enumerate(events):
+                yield fmt.sse(fmt.chat_chunk(head, i, fmt.chat_delta(event), logprobs=logprobs if k == 0 else None))
+            if done is not None:
+                completion_tokens += done.usage.completion_tokens
+                yield fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=done.finish_reason))
         if job.include_usage:
             yield fmt.sse({**head, "object": "chat.completion.chunk", "choices": [],
-                           "usage": fmt.usage(job.prompt_tokens, completion_tokens)})
+                            "usage": fmt.usage(job.prompt_tokens, completion_tokens)})
         yield fmt.SSE_DONE
     except StreamFailed as exc:
         yield fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body())
+        yield fmt.SSE_DONE
     finally:
         fanin.close()
 

@@ -29,10 +29,53 @@ class ContentPart:
 
 
 @attrs.frozen
+class FunctionCall:
+    name: str
+    arguments: str | dict[str, Any] | None = None  # a JSON string (OpenAI); an object is accepted too
+
+
+@attrs.frozen
+class MessageToolCall:
+    """A call an earlier assistant message made."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+@attrs.frozen
 class ChatMessage:
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that show it
+
+
+@attrs.frozen
+class FunctionSpec:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen
+class Tool:
+    type: str
+    function: FunctionSpec | None = None
+
+
+@attrs.frozen
+class NamedFunction:
+    name: str
+
+
+@attrs.frozen
+class NamedToolChoice:
+    type: str
+    function: NamedFunction
 
 
 @attrs.frozen
@@ -71,6 +114,11 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # "none" | "minimal" | "low" | "medium" | "high"
+    thinking_budget: int | None = None  # Spark's own: reasoning tokens at most
 
 
 @attrs.frozen(kw_only=True)

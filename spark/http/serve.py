@@ -50,7 +50,7 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
     """
     owns_engine = engine is None
     if engine is None:  # here rather than at ASGI start-up, so that a load error reaches the caller as is
-        engine = await load_engine(config)
+        engine = await load_engine(config)  # the start-up recipe's (None: no spark recipe at start)
     app = create_app(config, engine=engine)
     if shutdown_trigger is None and threading.current_thread() is threading.main_thread():
         shutdown_trigger = _until_signal
@@ -60,15 +60,16 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
     try:
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
-            if state.limits is None:  # start-up failed; hypercorn goes on to listen all the same
+            if state.startup_error is not None:  # start-up failed; hypercorn goes on to listen all the same
                 nursery.cancel_scope.cancel()
                 return
             url = binds[0]
             if not quiet:
-                print(f"Spark serving {state.limits.served_name} on {url}", flush=True)
+                served = state.limits.served_name if state.limits else "no model yet (name a recipe's model to load it)"
+                print(f"Spark serving {served} on {url}", flush=True)
             task_status.started(url)
     finally:
-        if owns_engine and hasattr(engine, "close"):
+        if owns_engine and engine is not None and hasattr(engine, "close"):
             engine.close()  # an engine process: its GPU memory goes with it
         if state.startup_error is not None:  # the real error (a ModelLoadError, say), not hypercorn's wrapper
             raise state.startup_error from None

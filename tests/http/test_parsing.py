@@ -50,7 +50,8 @@ def test_messages_are_normalized():
                            {"role": "assistant", "content": None}])
     assert chat_messages(req) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
                                   {"role": "assistant", "content": ""}]
-    assert _error(chat_messages, _parse(messages=[{"role": "tool", "content": "x"}])).param == "messages[0].role"
+    assert _error(chat_messages, _parse(messages=[{"role": "robot", "content": "x"}])).param == "messages[0].role"
+    assert _error(chat_messages, _parse(messages=[{"role": "tool", "content": "x"}])).param == "messages[0].tool_call_id"
 
 
 def test_sampling_errors_name_their_field():

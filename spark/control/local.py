@@ -1,0 +1,252 @@
+"""A spark-engine recipe loaded in this process: the engine, its actor system, the generations it serves.
+
+The HTTP routes hold a ``LocalModel`` where they held the ``SparkSystem``: it has the
+same surface (``submit``, ``tokenizer``, ``config``, ``metrics``, ...) but counts every
+stream it hands out, so that a switch can stop admitting, wait for the streams to
+finish, and past a grace period end the rest with an error piece the client sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+from typing import Callable
+
+import trio
+
+from spark.actors.ingress import SubmitError
+from spark.actors.messages import GenerateRequest, RequestOutput
+from spark.control.activity import Tally
+from spark.recipes.schema import Recipe
+from spark.recipes.serving import engine_dtype, recipe_config
+from spark.serve_config import ServeConfig
+
+log = logging.getLogger("spark.control")
+
+
+async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_config=None, dtype=None):
+    """Load ``model`` (by default ``config.model``) in a worker thread, so the event loop keeps running:
+    in this process, or in an engine process of its own (``config.uses_engine_process()``).
+
+    Raises:
+        ModelLoadError: the model cannot be read.
+    """
+    from spark.engine.engine import Engine
+
+    model = config.model if model is None else model
+    kwargs = dict(device=config.device, page_size=config.page_size, kv_cache_bytes=config.kv_cache_bytes,
+                  max_model_len=config.max_model_len)
+    kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype)) if v is not None})
+    if getattr(config, "uses_engine_process", lambda: False)():
+        from spark.actors.engine_process import EngineProcess
+
+        load = functools.partial(EngineProcess.start, model, graphs_max_batch=config.max_batch_size, **kwargs)
+    else:
+        load = functools.partial(Engine.load, model, **kwargs)
+    return await trio.to_thread.run_sync(load, abandon_on_cancel=True)  # Ctrl-C need not wait for it
+
+
+class LocalModel:
+    """One loaded recipe. ``host`` runs its actor system; ``submit`` is the routes' way in."""
+
+    def __init__(self, recipe: Recipe, config: ServeConfig, engine, *,
+                 current_tally: Callable[[], Tally | None] = lambda: None):
+        self.recipe, self.config, self.engine = recipe, config, engine
+        self.system = None  # the SparkSystem, while hosted
+        self.current_tally = current_tally  # the running HTTP request's tally, when there is one
+        self.admitting = True
+        self.eviction: str | None = None  # set when the open streams are cut off: the error they end with
+        self._streams: set[CountedStream] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._close = trio.Event()
+        self.closed = trio.Event()
+
+    @classmethod
+    async def load(cls, recipe: Recipe, base: ServeConfig, *, engine=None, **kw) -> "LocalModel":
+        """Load the recipe's weights in a worker thread (``engine``: already loaded, e.g. by a test).
+
+        Raises:
+            ModelLoadError: the weights cannot be read.
+        """
+        config = recipe_config(base, recipe)
+        if engine is None:
+            model, dummy = recipe.load_spec()
+            engine = await load_engine(config, model=model, dummy_config=dummy, dtype=engine_dtype(recipe))
+        return cls(recipe, config, engine, **kw)
+
+    async def host(self, on_failure: Callable[["LocalModel", BaseException], None], *,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Open the actor system (its preflight included) and serve until ``close``.
+
+        A failure before ``started`` raises to the starter; after it, ``on_failure`` hears of it.
+        """
+        from spark.actors.system import open_system
+
+        started = False
+        try:
+            async with open_system(self.engine, self.config, served_name=self.recipe.served_name) as system:
+                self.system = system
+                started = True
+                task_status.started()
+                await self._close.wait()
+        except Exception as exc:
+            if not started:
+                raise
+            log.exception("the actor system of %s failed", self.recipe.id)
+            on_failure(self, exc)
+        finally:
+            self.closed.set()
+
+    async def close(self) -> None:
+        """Stop the actor system (open streams should be gone by now: see ``evict``)."""
+        self.admitting = False
+        self._close.set()
+        await self.closed.wait()
+
+    async def release(self) -> None:
+        """Drop the engine and give its memory back (the GPU's too). Shielded: it must finish."""
+        engine, self.engine, self.system = self.engine, None, None
+        with trio.CancelScope(shield=True):
+            if hasattr(engine, "close"):  # an EngineProcess: its process exits, and its memory with it
+                await trio.to_thread.run_sync(engine.close)
+        if hasattr(engine, "unload"):
+            engine.unload()
+        del engine
+        gc.collect()  # the model's modules hold reference cycles
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- the SparkSystem surface the routes use ------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.system.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.system.max_model_len
+
+    @property
+    def metrics(self):
+        return self.system.metrics
+
+    @property
+    def served_name(self) -> str:
+        return self.recipe.served_name
+
+    @property
+    def ready(self) -> bool:
+        return self.system is not None and self.system.ready and self.admitting
+
+    def __getattr__(self, name: str):
+        system = self.__dict__.get("system")  # whatever else a route asks the SparkSystem for
+        if system is None:
+            raise AttributeError(name)
+        return getattr(system, name)
+
+    def submit(self, request: GenerateRequest) -> "CountedStream":
+        """``SparkSystem.submit``, counted; refused with 503 once a switch has begun.
+
+        Raises:
+            SubmitError: the system refused it, or the model is being unloaded.
+        """
+        if not self.admitting or self.system is None:
+            raise SubmitError(503, "model_switching", f"{self.recipe.served_name} is being unloaded; retry shortly",
+                              retry_after=2.0)
+        inner = self.system.submit(request)
+        tally = self.current_tally()
+        if tally is not None:
+            tally.add_prompt(request.prompt_ids)
+        stream = CountedStream(inner, self, tally)
+        self._streams.add(stream)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        return stream
+
+    # -- draining -----------------------------------------------------------------------------
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    async def drained(self) -> None:
+        """Return once no stream is open."""
+        await self._idle.wait()
+
+    def evict(self, reason: str) -> None:
+        """End every open stream with an error piece saying ``reason``; later reads end at once."""
+        self.eviction = reason
+        for stream in list(self._streams):
+            stream.cut_off()
+
+    def kv_pages_used(self) -> float:
+        if self.system is None:
+            return 0.0
+        return self.system.metrics.registry.get_sample_value("spark_kv_pages_used") or 0.0
+
+    def _forget(self, stream: "CountedStream") -> None:
+        self._streams.discard(stream)
+        if not self._streams:
+            self._idle.set()
+
+
+class CountedStream:
+    """A ``RequestStream`` that its model can cut off, and that tallies tokens for the activity log."""
+
+    def __init__(self, inner, owner: LocalModel, tally: Tally | None):
+        self.request_id = inner.request_id
+        self._inner, self._owner, self._tally = inner, owner, tally
+        self._waiting: trio.CancelScope | None = None
+        self._last = 0  # output tokens so far
+        self.finished = False
+
+    async def __aenter__(self) -> "CountedStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()  # cancels the request in the actor system if it still runs
+        finally:
+            self._owner._forget(self)
+
+    def cut_off(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    def __aiter__(self) -> "CountedStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        piece = None
+        if self._owner.eviction is None:
+            with trio.CancelScope() as self._waiting:  # cut_off() cancels it
+                try:
+                    piece = await self._inner.__anext__()
+                except StopAsyncIteration:
+                    self.finished = True
+                    raise
+                finally:
+                    self._waiting = None
+        if piece is not None:
+            return self._seen(piece)
+        self.finished = True  # cut off: the request is cancelled when the reader closes the stream
+        if self._tally is not None:
+            self._tally.error = self._owner.eviction
+        return RequestOutput(self.request_id, "", (), finish_reason="error", error=self._owner.eviction,
+                             num_output_tokens=self._last)
+
+    def _seen(self, piece: RequestOutput) -> RequestOutput:
+        self._last = piece.num_output_tokens or self._last
+        if self._tally is not None:
+            self._tally.observe(self.request_id, self._last)
+            if piece.finish_reason == "error" and piece.error:
+                self._tally.error = piece.error
+        if piece.finish_reason is not None:
+            self.finished = True
+        return piece

@@ -1,0 +1,135 @@
+"""The admin API of the control plane (``spark inference ...`` talks to it).
+
+    GET  /api/inference/status               the slot, every recipe and its state, recipe problems
+    POST /api/inference/up    {"id", "grace_s"?, "wait"?}   switch to a recipe (202; 200 once done with wait)
+    POST /api/inference/down  {"grace_s"?}   unload the active model
+    GET  /api/inference/logs?n=50            slot events and the last activity lines
+    GET  /api/inference/usage                tokens per recipe: last hour, last day, all time
+
+Once any key is configured (``api_keys`` or ``admin_key``), every call needs
+``Authorization: Bearer <admin_key>``; reads also accept an API key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+import trio
+from quart import Blueprint, current_app, request
+
+from spark.control.slot import Refusal, Slot
+from spark.http.errors import ApiError
+from spark.http.gateway import refusal_error
+
+bp = Blueprint("inference_admin", __name__, url_prefix="/api/inference")
+
+MAX_WAIT_S = 3600.0
+
+
+def _slot() -> Slot:
+    slot = current_app.extensions["spark"].slot
+    if slot is None:
+        raise ApiError(503, "the server is starting", code="not_ready", retry_after=1)
+    return slot
+
+
+@bp.before_request
+async def _authorize() -> None:
+    config = current_app.extensions["spark"].config
+    admin = config.admin_key if config is not None else None
+    keys = config.api_keys if config is not None else ()
+    if not admin and not keys:
+        return
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip().encode()
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(401, "the admin API needs `Authorization: Bearer <admin key>`", code="invalid_api_key")
+    if admin and hmac.compare_digest(token, admin.encode()):
+        return
+    if request.method == "GET" and any(hmac.compare_digest(token, k.encode()) for k in keys):
+        return
+    if request.method != "GET" and not admin:
+        raise ApiError(403, "switching needs the admin key, and none is configured (set admin_key)",
+                       code="admin_key_not_configured")
+    raise ApiError(401 if request.method == "GET" else 403, "invalid admin key", code="invalid_api_key")
+
+
+@bp.get("/status")
+async def status():
+    return _slot().status()
+
+
+@bp.post("/up")
+async def up():
+    slot = _slot()
+    body = await _json()
+    recipe_id = body.get("id")
+    if not isinstance(recipe_id, str):
+        raise ApiError(400, 'send {"id": "<recipe id>"}', param="id")
+    recipe = slot.catalog.get(recipe_id)
+    if recipe is None:
+        raise ApiError(404, f"no recipe {recipe_id!r}; known: {', '.join(r.id for r in slot.catalog.recipes)}",
+                       param="id", code="recipe_not_found")
+    try:
+        done = slot.switch_to(recipe, grace_s=_grace(body))
+    except Refusal as r:
+        raise refusal_error(r) from None
+    if body.get("wait"):
+        with trio.move_on_after(MAX_WAIT_S):
+            await done.wait()
+    if done.is_set():
+        if slot.state != "active" or slot.active is not recipe:
+            raise ApiError(500, f"switch to {recipe_id} failed: {slot.error}", code="switch_failed")
+        return slot.status(), 200
+    return slot.status(), 202
+
+
+@bp.post("/down")
+async def down():
+    slot = _slot()
+    body = await _json()
+    try:
+        done = slot.take_down(grace_s=_grace(body))
+    except Refusal as r:
+        raise refusal_error(r) from None
+    await done.wait()  # bounded by the grace period
+    return slot.status()
+
+
+@bp.get("/logs")
+async def logs():
+    slot = _slot()
+    n = request.args.get("n", "50")
+    if not n.isdigit():
+        raise ApiError(400, "n must be a positive integer", param="n")
+    n = min(int(n), 1000)
+    activity = slot.activity.tail(n) if slot.activity is not None else []
+    return {"events": list(slot.events)[-n:], "activity": activity}
+
+
+@bp.get("/usage")
+async def usage():
+    return {"recipes": _slot().usage.summary()}
+
+
+async def _json() -> dict:
+    data = await request.get_data()
+    if not data:
+        return {}
+    try:
+        body = json.loads(data)
+    except ValueError:
+        raise ApiError(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _grace(body: dict) -> float | None:
+    grace = body.get("grace_s")
+    if grace is None:
+        return None
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+        raise ApiError(400, "grace_s must be a number of seconds >= 0", param="grace_s")
+    return float(grace)

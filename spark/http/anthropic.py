@@ -1,0 +1,416 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (streamed or not) and ``/v1/messages/count_tokens``.
+
+A request is converted into the OpenAI-shaped messages and tools that ``spark.http.turn``
+renders (``tool_use`` blocks become an assistant's ``tool_calls``, ``tool_result`` blocks
+tool messages, ``thinking`` blocks its ``reasoning_content``), and the turn's events become
+content blocks: thinking, text, tool_use. Every error on ``/v1/messages*`` (401, 404, 413,
+malformed JSON, ...) has Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``:
+``install`` rewrites the app's OpenAI-shaped error bodies on these paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import secrets
+from typing import Any
+
+import attrs
+import trio
+from quart import Blueprint, Response, current_app, g, request
+
+from spark.actors.messages import GenerateRequest
+from spark.compaction import answer_reserve, prepare_fitting_turn
+from spark.engine.sampling import SamplingParams
+from spark.http.errors import ApiError
+from spark.http.formatting import SSE_HEADERS
+from spark.http.params import check_model, stop_strings
+from spark.http.schemas import parse_body
+from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, ToolCallDelta, ToolChoice, TurnDone,
+                             chat_format, run_turn)
+
+bp = Blueprint("anthropic", __name__)
+log = logging.getLogger("spark.http")
+PREFIX = "/v1/messages"
+COMPACTION_HEADER = "X-Spark-Compaction"
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "overloaded_error"}
+_THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+_STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+
+
+# -- request bodies ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class Block:
+    """A content block of any type; the fields its type uses are set."""
+
+    type: str
+    text: str | None = None  # text
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None  # thinking
+    signature: str | None = None
+
+
+@attrs.frozen
+class Message:
+    role: str
+    content: str | list[Block]
+
+
+@attrs.frozen
+class Tool:
+    name: str
+    input_schema: dict[str, Any] | None = None
+    description: str | None = None
+    type: str | None = None  # "custom" or absent; server tools are not supported
+
+
+@attrs.frozen
+class ToolChoiceBody:
+    type: str  # auto | any | tool | none
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+@attrs.frozen
+class Thinking:
+    type: str  # enabled | disabled | adaptive | between_tools
+    budget_tokens: int | None = None
+
+
+@attrs.frozen
+class OutputConfig:
+    effort: str | None = None  # low | medium | high | xhigh | max: a thinking budget unless one is given
+
+
+@attrs.frozen(kw_only=True)
+class CountTokensRequest:
+    model: str | None = None
+    messages: list[Message]
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceBody | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    max_tokens: int | None = None  # Spark's: the room compaction keeps for the answer, as in the real call
+
+
+@attrs.frozen(kw_only=True)
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    temperature: float | None = None  # (newer SDKs send these three only through extra_body)
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    metadata: dict[str, Any] | None = None
+    stream: bool | None = None
+
+
+# -- conversion to a chat turn ------------------------------------------------------------
+
+
+def _text_of(content: str | list[dict] | None, param: str) -> str:
+    """A tool result's content as text: a string, or text blocks joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, block in enumerate(content):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise ApiError(400, f"tool_result content blocks must be text for this model, got {block.get('type')!r}",
+                           param=f"{param}[{j}]")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _unsupported(block: Block, param: str) -> ApiError:
+    if block.type in ("image", "document"):
+        return ApiError(400, f"this model reads text only: {block.type} blocks are not supported", param=param)
+    return ApiError(400, f"unsupported content block type {block.type!r}", param=param)
+
+
+def chat_messages(req: CountTokensRequest) -> list[dict]:
+    """The conversation as OpenAI-shaped messages (``spark.http.turn`` renders them)."""
+    out: list[dict] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else "\n".join(
+            b.text or "" for b in req.system if b.type == "text")
+        out.append({"role": "system", "content": system})
+    if not req.messages:
+        raise ApiError(400, "messages must hold at least one message", param="messages")
+    for i, m in enumerate(req.messages):
+        param = f"messages[{i}]"
+        if m.role not in ("user", "assistant"):
+            raise ApiError(400, f"unsupported role {m.role!r}; use user or assistant", param=f"{param}.role")
+        blocks = [Block("text", text=m.content)] if isinstance(m.content, str) else m.content
+        texts, calls, reasoning = [], [], []
+        for j, b in enumerate(blocks):
+            where = f"{param}.content[{j}]"
+            if b.type == "text":
+                texts.append(b.text or "")
+            elif b.type == "tool_result" and m.role == "user":
+                text = _text_of(b.content, f"{where}.content")
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content":
+                            f"Error: {text}" if b.is_error else text})
+            elif b.type == "tool_use" and m.role == "assistant":
+                calls.append({"id": b.id or f"toolu_{secrets.token_hex(8)}", "type": "function",
+                              "function": {"name": b.name, "arguments": json.dumps(b.input or {}, ensure_ascii=False)}})
+            elif b.type == "thinking" and m.role == "assistant":
+                reasoning.append(b.thinking or "")
+            elif b.type != "redacted_thinking":
+                raise _unsupported(b, where)
+        if m.role == "user":
+            if texts or not blocks:
+                out.append({"role": "user", "content": "\n".join(texts)})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        if calls:
+            message["tool_calls"] = calls
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
+        out.append(message)
+    return out
+
+
+def turn_kwargs(req: CountTokensRequest) -> dict:
+    """The keyword arguments of ``prepare_turn`` (messages, tools, tool choice, thinking)."""
+    tools = None
+    if req.tools:
+        tools = []
+        for i, t in enumerate(req.tools):
+            if t.type not in (None, "custom"):
+                raise ApiError(400, f"server tool {t.type!r} is not supported", param=f"tools[{i}].type")
+            tools.append({"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                            "parameters": t.input_schema or {"type": "object"}}})
+    choice, parallel = ToolChoice("auto"), True
+    if req.tool_choice is not None:
+        kind = req.tool_choice.type
+        if kind == "tool":
+            if not req.tool_choice.name:
+                raise ApiError(400, "tool_choice of type tool needs a name", param="tool_choice.name")
+            choice = ToolChoice.named(req.tool_choice.name)
+        elif kind in ("auto", "any", "none"):
+            choice = ToolChoice({"any": "required"}.get(kind, kind))
+        else:
+            raise ApiError(400, f"tool_choice type must be auto, any, tool or none, got {kind!r}",
+                           param="tool_choice.type")
+        parallel = not req.tool_choice.disable_parallel_tool_use
+    enable, budget = None, None
+    if req.thinking is not None:
+        if req.thinking.type not in _THINKING_TYPES:
+            raise ApiError(400, f"thinking type must be one of {', '.join(_THINKING_TYPES)}, got {req.thinking.type!r}",
+                           param="thinking.type")
+        enable = req.thinking.type != "disabled"
+        budget = req.thinking.budget_tokens if enable else None
+    effort = req.output_config.effort if req.output_config else None
+    if budget is None and enable is not False and effort is not None:
+        if effort not in EFFORT_BUDGETS and effort not in ("xhigh", "max"):
+            raise ApiError(400, f"output_config.effort must be low, medium, high, xhigh or max, got {effort!r}",
+                           param="output_config.effort")
+        budget = EFFORT_BUDGETS.get(effort)  # xhigh and max: the server's cap
+    return {"messages": chat_messages(req), "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
+            "enable_thinking": enable, "thinking_budget": budget}
+
+
+async def prepare(req: CountTokensRequest, max_tokens: int | None):
+    """Render the request's turn, compacted to fit; returns ``(system, PreparedTurn, stage)``."""
+    state = current_app.extensions["spark"]
+    system, limits = state.system, state.limits
+    if system is None:
+        raise ApiError(503, "the server is not ready: the model is loading (or the engine failed)",
+                       code="not_ready", retry_after=1)
+    check_model(req.model, limits.served_name)
+    kwargs = turn_kwargs(req)
+    reserve = answer_reserve(limits.max_model_len, max_tokens, limits.default_max_tokens)
+    render = functools.partial(prepare_fitting_turn, system.tokenizer, chat_format(system.config, system.tokenizer),
+                               max_model_len=limits.max_model_len, reserve=reserve, **kwargs)
+    turn, stage = await trio.to_thread.run_sync(render)
+    return system, turn, stage
+
+
+# -- routes ----------------------------------------------------------------------------
+
+
+@bp.post(PREFIX + "/count_tokens")
+async def count_tokens():
+    req = parse_body(await request.get_data(), CountTokensRequest)
+    _, turn, stage = await prepare(req, req.max_tokens)
+    return _with_stage({"input_tokens": len(turn.prompt.prompt_ids)}, stage)
+
+
+@bp.post(PREFIX)
+async def create_message():
+    req = parse_body(await request.get_data(), MessagesRequest)
+    if req.max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
+    stops = stop_strings(req.stop_sequences)
+    system, turn, stage = await prepare(req, req.max_tokens)
+    given = {k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(req, k)) is not None}
+    try:  # the recipe's sampling defaults for what the request leaves out
+        params = SamplingParams(**{**dict(current_app.extensions["spark"].limits.sampling_defaults), **given},
+                                max_tokens=req.max_tokens)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    prompt = turn.prompt.prompt_ids
+    room = current_app.extensions["spark"].limits.max_model_len - len(prompt)
+    mid = f"msg_{secrets.token_hex(12)}"
+    generate = GenerateRequest(mid, prompt, attrs.evolve(turn.sampling(params), max_tokens=min(req.max_tokens, room)),
+                               stop=stops, api_key=g.api_key)
+    events = run_turn(system, generate, turn.parser(id_prefix=f"toolu_{secrets.token_hex(8)}"))
+    head = {"id": mid, "type": "message", "role": "assistant", "model": system.served_name}
+    if req.stream:
+        response = Response(_stream(head, len(prompt), events), content_type="text/event-stream",
+                            headers=SSE_HEADERS | ({COMPACTION_HEADER: stage} if stage else {}))
+        response.timeout = None
+        return response
+    done = await events.collect()
+    if done.error is not None:
+        raise done.error
+    return _with_stage({**head, "content": content_blocks(done), **stop_fields(done),
+                        "usage": {"input_tokens": len(prompt), "output_tokens": done.usage.completion_tokens}}, stage)
+
+
+def _with_stage(body: dict, stage: str | None):
+    if stage is None:
+        return body
+    return {**body, "spark_compaction": stage}, 200, {COMPACTION_HEADER: stage}
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def stop_fields(done: TurnDone) -> dict:
+    """``stop_reason`` (end_turn, max_tokens, stop_sequence, tool_use) and the ``stop_sequence`` matched."""
+    if done.stop_string is not None and done.finish_reason == "stop":
+        return {"stop_reason": "stop_sequence", "stop_sequence": done.stop_string}
+    return {"stop_reason": _STOP_REASONS.get(done.finish_reason, "end_turn"), "stop_sequence": None}
+
+
+def content_blocks(done: TurnDone) -> list[dict]:
+    """The whole reply as blocks: thinking, text, then tool_use (an empty text block if nothing else)."""
+    result, blocks = done.result, []
+    if result.reasoning:
+        blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.content.strip() or not (blocks or result.tool_calls):
+        blocks.append({"type": "text", "text": result.content})
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in result.tool_calls]
+    return blocks
+
+
+def sse(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+
+
+class BlockStream:
+    """Turn events into content_block_start / _delta / _stop events, one block per run of a kind.
+
+    Whitespace before a text block's first visible character is held back, so the newlines
+    a model writes between tool calls do not become blocks of their own.
+    """
+
+    def __init__(self):
+        self.index = -1
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
+        self._blank = ""
+
+    def feed(self, event) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(event, ReasoningDelta) and event.text:
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+        elif isinstance(event, ContentDelta) and event.text:
+            text = event.text
+            if self.open != "text":
+                if not (self._blank + text).strip():
+                    self._blank += text
+                    return out
+                text, self._blank = self._blank + text, ""
+                out += self._start({"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        elif isinstance(event, ToolCallDelta):
+            if event.id is not None:
+                out += self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+            if event.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+        return out
+
+    def close(self) -> list[bytes]:
+        """End the open block (or, if the reply made none, send an empty text block)."""
+        if self.index < 0:
+            return self._start({"type": "text", "text": ""}) + self.close()
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse("content_block_stop", {"index": self.index})]
+
+    def _start(self, block: dict) -> list[bytes]:
+        out = self.close() if self.index >= 0 else []
+        self.index += 1
+        self.open = block["type"]
+        self._blank = ""
+        return out + [sse("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse("content_block_delta", {"index": self.index, "delta": delta})
+
+
+async def _stream(head: dict, prompt_tokens: int, events):
+    usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                            "usage": usage}})
+    yield sse("ping", {})
+    blocks = BlockStream()
+    try:
+        async with events:
+            async for event in events:
+                if not isinstance(event, TurnDone):
+                    for chunk in blocks.feed(event):
+                        yield chunk
+                    continue
+                if event.error is not None:
+                    yield sse("error", anthropic_error(event.error.status, event.error.message))
+                    return
+                for chunk in blocks.close():
+                    yield chunk
+                yield sse("message_delta", {"delta": stop_fields(event),
+                                            "usage": {**usage, "output_tokens": event.usage.completion_tokens}})
+                yield sse("message_stop", {})
+    except Exception as exc:  # the server failed mid-stream: say so rather than cut the stream
+        log.exception("message %s failed", head["id"])
+        yield sse("error", anthropic_error(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+# -- errors and auth ----------------------------------------------------------------------
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"type": kind, "message": message}}
+
+
+async def _reshape_error(response: Response) -> Response:
+    """On /v1/messages*, an OpenAI error body becomes Anthropic's."""
+    if response.status_code < 400 or not request.path.startswith(PREFIX) or response.mimetype != "application/json":
+        return response
+    try:
+        body = json.loads(await response.get_data())
+        message = body["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response
+    response.set_data(json.dumps({"type": "error", **anthropic_error(response.status_code, message)}))
+    return response
+
+
+def install(app) -> None:
+    """Serve the Messages API on ``app`` with Anthropic-shaped errors."""
+    app.register_blueprint(bp)
+    app.after_request(_reshape_error)

@@ -1,0 +1,257 @@
+"""The prompt side of a chat turn: the model's output format, tools, tool choice, thinking, and
+the chat template. ``spark.http.turn`` re-exports all of it; read its docstring first.
+
+Messages are OpenAI chat messages: ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``,
+an assistant's ``tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]``
+(content may be None), a tool result's ``tool_call_id``. Tools are OpenAI function tools
+``{"type": "function", "function": {"name", "description", "parameters"}}``, passed to the
+template as given. Before rendering (``template_messages``):
+- an assistant call's ``arguments`` given as a JSON string is parsed into a dict: templates
+  (Qwen's, Llama's, ...) write ``arguments | tojson`` or iterate ``arguments | items``, which
+  would print a quoted string or fail. A string that is not a JSON object is kept as is, and
+  missing arguments become ``{}``.
+- a tool message without ``name`` gets the name of the call its ``tool_call_id`` answers.
+
+Thinking: ``chat_format`` turns reasoning parsing on for models that write ``<think>``.
+A request's thinking switch is ``chat_template_kwargs["enable_thinking"]`` if given, else
+``enable_thinking`` (an API's own switch), else on unless the server has ``disable_thinking``;
+it is passed to the template as ``enable_thinking``. Thinking off gives the engine a budget
+of 0 (a block the model opens anyway is closed at once); on, the budget is the request's
+(``thinking_budget``, or ``EFFORT_BUDGETS[reasoning_effort]``) capped by the server's
+``max_thinking_budget``, which is also the default. The engine enforces a budget only for
+vocabularies with ``<think>``/``</think>`` tokens. Reasoning is parsed whenever the format has
+it, so a model that thinks against instructions never leaks reasoning into the content.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from spark.engine.chat_template import ChatTemplateError
+from spark.http.errors import ApiError
+from spark.parsers import detect_tool_parser, prompt_ends_in_thinking
+
+EFFORT_BUDGETS = {"minimal": 128, "low": 512, "medium": 2048, "high": 8192}  # reasoning_effort -> tokens
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template"})
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class ChatFormat:
+    """What the served model writes; from ``chat_format``."""
+
+    tool_parser: str | None  # "hermes" | "qwen3_coder" | "minimax"; None: calls are not parsed
+    reasoning: bool  # split <think> blocks off as reasoning
+    thinking_default: bool = True  # thinking on when a request does not say
+    max_thinking_budget: int | None = None  # reasoning tokens at most per request; None: unlimited
+
+
+def chat_format(config, tokenizer) -> ChatFormat:
+    """Resolve the server's parser settings against its model.
+
+    Args:
+      config: the ``ServeConfig`` (``tool_call_parser``, ``reasoning_parser``, ``max_thinking_budget``,
+        ``disable_thinking``).
+      tokenizer: the model's tokenizer (its chat template and vocabulary), or None.
+
+    Returns:
+      The ``ChatFormat``: tool parser "auto" is detected from the template's tags; reasoning
+      "auto" is on when the template or the vocabulary has ``<think>``.
+    """
+    template = _template_text(tokenizer)
+    name = config.tool_call_parser
+    tool_parser = detect_tool_parser(template) if name in (None, "auto") else None if name == "none" else name
+    mode = config.reasoning_parser
+    has_think = "<think>" in template or (tokenizer is not None and tokenizer.token_to_id("<think>") is not None)
+    return ChatFormat(tool_parser, mode == "think" or (mode == "auto" and has_think),
+                      not config.disable_thinking, config.max_thinking_budget)
+
+
+def _template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):
+        return "\n".join(str(t) for t in template.values())
+    return template or ""
+
+
+@attrs.frozen
+class ToolChoice:
+    """Whether the model may, must, or must not call tools.
+
+    ``mode`` is "none", "auto" or "required"; ``name`` (with "required") is the one function
+    it must call.
+    """
+
+    mode: str = attrs.field(default="auto", validator=attrs.validators.in_(("none", "auto", "required")))
+    name: str | None = None
+
+    @classmethod
+    def named(cls, name: str) -> "ToolChoice":
+        return cls("required", name)
+
+
+def effort_thinking(effort: str | None, *, param: str = "reasoning_effort") -> tuple[bool | None, int | None]:
+    """Map a reasoning effort to ``(enable_thinking, thinking_budget)`` for ``prepare_turn``.
+
+    Args:
+      effort: None (no opinion), "none" (thinking off), or a key of ``EFFORT_BUDGETS``.
+      param: the request field, for the error.
+
+    Returns:
+      ``(None, None)``, ``(False, None)``, or ``(True, EFFORT_BUDGETS[effort])``.
+
+    Raises:
+      ApiError: 400, an unknown effort.
+    """
+    if effort is None:
+        return None, None
+    if effort == "none":
+        return False, None
+    if effort not in EFFORT_BUDGETS:
+        raise ApiError(400, f"{param} must be one of none, {', '.join(EFFORT_BUDGETS)}; got {effort!r}", param=param)
+    return True, EFFORT_BUDGETS[effort]
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]] | None, *, param: str = "tools") -> list[dict] | None:
+    """Validate OpenAI function tools: type "function", a non-empty unique name, object parameters.
+
+    Returns:
+      The tools as a list (None for None or empty).
+
+    Raises:
+      ApiError: 400 naming the bad field, e.g. ``tools[1].function.name``.
+    """
+    if not tools:
+        return None
+    seen = set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise ApiError(400, f"only function tools are supported, got type {_get(tool, 'type')!r}",
+                           param=f"{param}[{i}].type")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise ApiError(400, "a function tool needs a function object", param=f"{param}[{i}].function")
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ApiError(400, "a function tool needs a name", param=f"{param}[{i}].function.name")
+        if name in seen:
+            raise ApiError(400, f"two tools are named {name!r}", param=f"{param}[{i}].function.name")
+        seen.add(name)
+        if not isinstance(function.get("parameters", {}), Mapping):
+            raise ApiError(400, "parameters must be a JSON schema object", param=f"{param}[{i}].function.parameters")
+    return [dict(t) for t in tools]
+
+
+def _get(obj: object, key: str) -> object:
+    return obj.get(key) if isinstance(obj, Mapping) else None
+
+
+# -- rendering ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RenderedPrompt:
+    """A conversation rendered by the chat template and encoded."""
+
+    prompt_ids: tuple[int, ...]
+    text: str
+    prompt_ends_in_thinking: bool  # the template left <think> open: the output starts as reasoning
+    thinking_enabled: bool  # the format has reasoning and this request did not turn thinking off
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as chat templates read them (the rules are in the module docstring)."""
+    names_by_id: dict[str, str] = {}
+    out = []
+    for message in messages:
+        m = dict(message)
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                function = dict(call.get("function") or {})
+                function["arguments"] = _arguments_mapping(function.get("arguments"))
+                calls.append({**call, "function": function})
+                if call.get("id") and function.get("name"):
+                    names_by_id[call["id"]] = function["name"]
+            m["tool_calls"] = calls
+        if m.get("role") == "tool" and not m.get("name") and m.get("tool_call_id") in names_by_id:
+            m["name"] = names_by_id[m["tool_call_id"]]
+        out.append(m)
+    return out
+
+
+def _arguments_mapping(arguments: object) -> object:
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFormat,
+                tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                enable_thinking: bool | None = None) -> RenderedPrompt:
+    """Render a conversation with the model's chat template and encode it.
+
+    Args:
+      tokenizer: the model's ``Tokenizer``.
+      messages: OpenAI chat messages (roles already normalized to system/user/assistant/tool).
+      fmt: the server's ``ChatFormat``.
+      tools: the tools to show the template, or None.
+      chat_template_kwargs: more template variables from the request.
+      enable_thinking: the API's thinking switch, or None (see the module docstring).
+
+    Returns:
+      The ``RenderedPrompt``.
+
+    Raises:
+      ApiError: 400, reserved template variables, or the template failed to render.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    bad = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    if not isinstance(kwargs.get("enable_thinking", False), bool):
+        raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
+                       param="chat_template_kwargs.enable_thinking")
+    thinking = kwargs.get("enable_thinking", fmt.thinking_default if enable_thinking is None else enable_thinking)
+    if fmt.reasoning:
+        kwargs["enable_thinking"] = thinking
+    try:
+        text = tokenizer.apply_chat_template(template_messages(messages), tools=list(tools) if tools else None,
+                                             add_generation_prompt=True, **kwargs)
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from None
+    ids = tokenizer.encode(text)
+    if tokenizer.add_bos_token and ids[:1] != [tokenizer.bos_token_id]:  # as Tokenizer.encode_chat does
+        ids.insert(0, tokenizer.bos_token_id)
+    return RenderedPrompt(tuple(ids), text, fmt.reasoning and prompt_ends_in_thinking(text), fmt.reasoning and thinking)
+
+
+def engine_thinking_budget(fmt: ChatFormat, thinking_enabled: bool, requested: int | None) -> int | None:
+    """``SamplingParams.thinking_budget`` for a request: 0 when thinking is off, else capped.
+
+    Raises:
+      ApiError: 400, a negative budget.
+    """
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 0):
+        raise ApiError(400, f"thinking_budget must be a non-negative integer, got {requested!r}",
+                       param="thinking_budget")
+    if not fmt.reasoning:
+        return None
+    if not thinking_enabled:
+        return 0
+    cap = fmt.max_thinking_budget
+    if requested is None:
+        return cap
+    return requested if cap is None else min(requested, cap)

@@ -1,0 +1,264 @@
+"""The Responses API's items and events, as pure functions: request bodies, input items (stored
+with ids), items -> OpenAI chat messages for ``spark.http.turn``, and turn events -> output
+items plus the streamed ``response.*`` events that build them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import attrs
+
+from spark.http.errors import ApiError
+from spark.http.turn import ContentDelta, ReasoningDelta, ToolCallDelta
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@attrs.frozen(kw_only=True)
+class ResponsesRequest:
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ConversationRequest:
+    items: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ItemsRequest:
+    items: list[dict[str, Any]]
+
+
+# -- input items -------------------------------------------------------------------------
+
+
+def _text(content: object, param: str) -> str:
+    """A message's (or tool output's) content as text: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, "content must be a string or a list of parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise ApiError(400, f"this model reads text only: {kind} parts are not supported", param=f"{param}[{j}]")
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"unsupported content part {kind!r}", param=f"{param}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _required_str(item: dict, key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{item.get('type')} items need a string {key}", param=f"{param}.{key}")
+    return value
+
+
+def message_item(role: str, text: str, item_id: str | None = None, status: str = "completed") -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []} if role == "assistant" else \
+        {"type": "input_text", "text": text}
+    return {"type": "message", "id": item_id or new_id("msg"), "role": role, "content": [part], "status": status}
+
+
+def input_items(value: str | list[dict] | None, *, param: str = "input") -> list[dict]:
+    """The request's input as stored items, each with an id: messages, function calls and their outputs.
+
+    Raises:
+      ApiError: 400 naming the bad item (``input[2].call_id``); image and file parts are refused.
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [message_item("user", value)]
+    out = []
+    for i, item in enumerate(value):
+        where = f"{param}[{i}]"
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise ApiError(400, f"unsupported role {role!r}; use user, system, developer or assistant",
+                               param=f"{where}.role")
+            out.append(message_item(role, _text(item.get("content"), f"{where}.content"), item.get("id")))
+        elif kind == "function_call":
+            out.append({"type": "function_call", "id": item.get("id") or new_id("fc"),
+                        "call_id": _required_str(item, "call_id", where), "name": _required_str(item, "name", where),
+                        "arguments": _required_str(item, "arguments", where), "status": "completed"})
+        elif kind == "function_call_output":
+            out.append({"type": "function_call_output", "id": item.get("id") or new_id("fco"),
+                        "call_id": _required_str(item, "call_id", where),
+                        "output": _text(item.get("output"), f"{where}.output"), "status": "completed"})
+        elif kind == "reasoning":
+            out.append({"type": "reasoning", "id": item.get("id") or new_id("rs"), "summary": item.get("summary") or [],
+                        "content": item.get("content") or []})
+        else:
+            raise ApiError(400, f"unsupported input item type {kind!r}", param=f"{where}.type")
+    return out
+
+
+def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
+    """Stored items (history, then the new input) as OpenAI chat messages, ``instructions`` first.
+
+    Consecutive function calls join the assistant message before them; a reasoning item becomes
+    the next assistant message's ``reasoning_content``.
+    """
+    out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    reasoning: list[str] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "reasoning":
+            reasoning += [p.get("text", "") for p in item.get("content") or item.get("summary") or ()]
+            continue
+        if kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+            continue
+        if kind == "message" and item["role"] != "assistant":
+            out.append({"role": _ROLES[item["role"]], "content": _text(item["content"], "input")})
+            continue
+        if kind == "message" or not (out and out[-1]["role"] == "assistant"):
+            out.append({"role": "assistant", "content": _text(item["content"], "input") if kind == "message" else ""})
+        if reasoning:
+            out[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
+        if kind == "function_call":
+            out[-1].setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses function tools (flat: ``{"type", "name", "parameters"}``) as OpenAI chat tools."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise ApiError(400, f"only function tools are supported, got {tool.get('type')!r}",
+                           param=f"tools[{i}].type")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+# -- output items and their events ---------------------------------------------------------
+
+
+class OutputBuilder:
+    """Turn events into output items and the ``response.*`` events that stream them.
+
+    One item per run of a kind: reasoning, a message, or a function call. Whitespace before a
+    message's first visible character is held back (the newlines between tool calls make no item).
+    ``output`` holds the items, final once ``close`` was called.
+    """
+
+    def __init__(self):
+        self.output: list[dict] = []
+        self._open: dict | None = None
+        self._blank = ""
+
+    def feed(self, event) -> list[dict]:
+        out: list[dict] = []
+        if isinstance(event, ReasoningDelta) and event.text:
+            if not self._is_open("reasoning"):
+                out += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []},
+                                 {"type": "reasoning_text", "text": ""})
+            out.append(self._text_delta("response.reasoning_text.delta", event.text))
+        elif isinstance(event, ContentDelta) and event.text:
+            text = event.text
+            if not self._is_open("message"):
+                if not (self._blank + text).strip():
+                    self._blank += text
+                    return out
+                text, self._blank = self._blank + text, ""
+                out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
+                                 {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            out.append(self._text_delta("response.output_text.delta", text, logprobs=[]))
+        elif isinstance(event, ToolCallDelta):
+            if event.id is not None:
+                out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": event.id,
+                                  "name": event.name, "arguments": "", "status": "in_progress"})
+            if event.arguments:
+                self._open["arguments"] += event.arguments
+                out.append({"type": "response.function_call_arguments.delta", "item_id": self._open["id"],
+                            "output_index": len(self.output) - 1, "delta": event.arguments})
+        return out
+
+    def close(self, status: str = "completed") -> list[dict]:
+        """End the open item (or, if the reply made none, add an empty message); ``status`` is the items'."""
+        if not self.output:
+            self.output.append(message_item("assistant", "", status=status))
+            return self._done(status)
+        return self._done(status) if self._open is not None else []
+
+    def _is_open(self, kind: str) -> bool:
+        return self._open is not None and self._open["type"] == kind
+
+    def _add(self, item: dict, part: dict | None = None) -> list[dict]:
+        out = self._done("completed") if self._open is not None else []
+        self._blank = ""
+        self._open = item
+        index = len(self.output)
+        self.output.append(item)
+        added = {**item, "content": []} if "content" in item else dict(item)  # a snapshot: item changes later
+        out.append({"type": "response.output_item.added", "output_index": index, "item": added})
+        if part is not None:
+            item["content"].append(part)
+            out.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "part": dict(part)})
+        return out
+
+    def _text_delta(self, kind: str, text: str, **extra) -> dict:
+        self._open["content"][0]["text"] += text
+        return {"type": kind, "item_id": self._open["id"], "output_index": len(self.output) - 1,
+                "content_index": 0, "delta": text, **extra}
+
+    def _done(self, status: str) -> list[dict]:
+        item, self._open = self.output[-1], None
+        index, out = len(self.output) - 1, []
+        if item["type"] == "function_call":
+            out.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+                        "name": item["name"], "arguments": item["arguments"]})
+        elif item["content"]:
+            part = item["content"][0]
+            kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
+            extra = {"logprobs": []} if part["type"] == "output_text" else {}
+            out += [{"type": kind, "item_id": item["id"], "output_index": index, "content_index": 0,
+                     "text": part["text"], **extra},
+                    {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
+                     "content_index": 0, "part": dict(part)}]
+        if item["type"] != "reasoning":
+            item["status"] = status
+        out.append({"type": "response.output_item.done", "output_index": index, "item": item})
+        return out
+
+
+def usage(prompt_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}

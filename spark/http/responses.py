@@ -1,0 +1,379 @@
+"""OpenAI's Responses and Conversations APIs, their state in SQLite (``spark.state``).
+
+    POST   /v1/responses                       create (streamed or not); stored unless store=false
+    GET    /v1/responses/{id}                  DELETE /v1/responses/{id}
+    GET    /v1/responses/{id}/input_items
+    POST   /v1/conversations                   GET / DELETE /v1/conversations/{id}
+    GET    /v1/conversations/{id}/items        POST /v1/conversations/{id}/items
+
+A new turn continues ``previous_response_id`` (its chain's inputs and outputs) or a
+``conversation`` (its items, to which the turn's input and output are appended when it ends).
+What a client is told exists is committed first: a streamed response is stored in_progress
+before ``response.created`` and updated before its last event; a non-streamed one before its
+body is sent. Every read, list and delete is scoped to the caller's API key: another key's
+objects answer 404 as if absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+
+import attrs
+import trio
+from quart import Blueprint, Response, current_app, g, request
+
+from spark.actors.messages import GenerateRequest
+from spark.compaction import answer_reserve, prepare_fitting_turn
+from spark.engine.sampling import SamplingParams
+from spark.http.errors import ApiError
+from spark.http.formatting import SSE_HEADERS
+from spark.http.params import check_model
+from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
+                                       chat_messages, chat_tools, input_items, new_id, usage)
+from spark.http.schemas import parse_body
+from spark.http.turn import ToolChoice, TurnDone, chat_format, effort_thinking, run_turn
+from spark.state import AsyncStore, Store, owner_of
+
+bp = Blueprint("responses", __name__)
+log = logging.getLogger("spark.http")
+COMPACTION_HEADER = "X-Spark-Compaction"
+
+
+def install(app) -> None:
+    """Serve the Responses and Conversations APIs on ``app``; the store opens at first use."""
+    app.register_blueprint(bp)
+    holder = app.extensions["spark_state"] = _Holder()
+    app.after_serving(holder.close)
+
+
+@attrs.define(eq=False)
+class _Holder:
+    """The app's store, opened once on first use (so a server that never stores creates no file)."""
+
+    store: AsyncStore | None = None
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def open(self, config) -> AsyncStore:
+        with self.lock:
+            if self.store is None:
+                self.store = AsyncStore(Store(config.state_path, max_age_s=config.state_max_age_s,
+                                              max_bytes=config.state_max_bytes))
+        return self.store
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await trio.to_thread.run_sync(self.store.sync.close)
+            self.store = None
+
+
+async def _store() -> AsyncStore:
+    holder = current_app.extensions["spark_state"]
+    if holder.store is not None:
+        return holder.store
+    config = current_app.extensions["spark"].config
+    try:
+        return await trio.to_thread.run_sync(holder.open, config)
+    except Exception as exc:
+        raise ApiError(500, f"cannot open the state store {config.state_path or '(default path)'}: {exc}",
+                       code="state_unavailable") from None
+
+
+def _owner() -> str:
+    return owner_of(g.api_key)
+
+
+def _not_found(kind: str, oid: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"{kind} {oid!r} not found", param=param, code="not_found")
+
+
+# -- responses -------------------------------------------------------------------------
+
+
+@bp.post("/v1/responses")
+async def create_response():
+    state = current_app.extensions["spark"]
+    system, limits = state.system, state.limits
+    if system is None:
+        raise ApiError(503, "the server is not ready: the model is loading (or the engine failed)",
+                       code="not_ready", retry_after=1)
+    req = parse_body(await request.get_data(), ResponsesRequest)
+    check_model(req.model, limits.served_name)
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise ApiError(400, f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
+                       param="max_output_tokens")
+    owner = _owner()
+    # store=false needs the store only to read what it continues: a stateless server makes no file
+    store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
+    history, conversation_id = await _history(req, owner, store)
+    items = input_items(req.input)
+    if not items and not history:
+        raise ApiError(400, "input must hold at least one item", param="input")
+    enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
+    given = {k: v for k in ("temperature", "top_p") if (v := getattr(req, k)) is not None}
+    try:  # the recipe's sampling defaults for what the request leaves out
+        params = SamplingParams(**{**dict(limits.sampling_defaults), **given},
+                                max_tokens=req.max_output_tokens or limits.default_max_tokens)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    render = functools.partial(
+        prepare_fitting_turn, system.tokenizer, chat_format(system.config, system.tokenizer),
+        chat_messages(req.instructions, history + items), max_model_len=limits.max_model_len,
+        reserve=answer_reserve(limits.max_model_len, req.max_output_tokens, limits.default_max_tokens),
+        tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget)
+    turn, stage = await trio.to_thread.run_sync(render)
+    rid, prompt = new_id("resp"), turn.prompt.prompt_ids
+    room = limits.max_model_len - len(prompt)
+    params = attrs.evolve(turn.sampling(params), max_tokens=min(params.max_tokens, room))
+    generate = GenerateRequest(rid, prompt, params, api_key=g.api_key)
+    events = run_turn(system, generate, turn.parser())
+    head = _response_head(rid, req, system.served_name, conversation_id, stage)
+    run = _Run(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store)
+    headers = {COMPACTION_HEADER: stage} if stage else {}
+    if req.stream:
+        if run.store is not None:
+            try:
+                await store.put_response(owner, head, items)  # committed before the client hears of its id
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await events.__aexit__(None, None, None)  # cancels the generation
+                raise
+        response = Response(run.sse(events), content_type="text/event-stream", headers=SSE_HEADERS | headers)
+        response.timeout = None
+        return response
+    final = await run.collect(events)
+    return final, 200, headers
+
+
+async def _history(req: ResponsesRequest, owner: str, store: AsyncStore | None) -> tuple[list[dict], str | None]:
+    """The items a new turn continues, and the conversation it belongs to."""
+    if req.previous_response_id and req.conversation:
+        raise ApiError(400, "previous_response_id and conversation cannot both be given", param="conversation")
+    if req.previous_response_id:
+        rid = req.previous_response_id
+        previous = await store.get_response(owner, rid)
+        if previous is None:
+            raise _not_found("previous response", rid, "previous_response_id")
+        if previous["status"] == "in_progress":
+            raise ApiError(400, f"previous response {rid!r} is still in progress", param="previous_response_id")
+        return await store.response_history(owner, rid), None
+    if req.conversation is not None:
+        cid = req.conversation if isinstance(req.conversation, str) else req.conversation.get("id")
+        page = await store.conversation_items(owner, cid) if isinstance(cid, str) else None
+        if page is None:
+            raise _not_found("conversation", str(cid), "conversation")
+        return page[0], cid
+    return [], None
+
+
+def _tool_choice(choice: str | dict | None) -> ToolChoice:
+    if choice is None:
+        return ToolChoice("auto")
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        return ToolChoice(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return ToolChoice.named(choice["name"])
+    raise ApiError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                   param="tool_choice")
+
+
+def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id: str | None,
+                   stage: str | None) -> dict:
+    """The response object as it is while generating (status in_progress, no output yet)."""
+    head = {"id": rid, "object": "response", "created_at": round(time.time(), 3), "status": "in_progress",
+            "model": model, "output": [], "error": None, "incomplete_details": None, "usage": None,
+            "instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": req.previous_response_id, "store": req.store is not False,
+            "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "background": False, "user": req.user}
+    return head | ({"spark_compaction": stage} if stage else {})
+
+
+@attrs.define(eq=False)
+class _Run:
+    """One response being generated: events in, ``response.*`` events out, the store kept current."""
+
+    head: dict
+    items: list[dict]  # this turn's input
+    prompt_tokens: int
+    owner: str
+    store: AsyncStore | None  # None: store=false
+    conversation_id: str | None
+    conversations: AsyncStore | None  # appended to even with store=false
+    final: dict | None = None
+
+    async def events(self, events, *, stream: bool):
+        """The ``response.*`` events (without sequence numbers); the last one carries the final response."""
+        builder = OutputBuilder()
+        yield {"type": "response.created", "response": self.head}
+        yield {"type": "response.in_progress", "response": self.head}
+        try:
+            async with events:
+                async for event in events:
+                    if not isinstance(event, TurnDone):
+                        for out in builder.feed(event):
+                            yield out
+                        continue
+                    if event.error is not None:
+                        self.final = {**self.head, "status": "failed", "error": {
+                            "code": "server_error" if event.error.status >= 500 else "invalid_prompt",
+                            "message": event.error.message}, "spark_error": event.error}
+                        if stream and self.store is not None:
+                            await self.store.put_response(self.owner, _public(self.final))
+                        yield {"type": "response.failed", "response": _public(self.final)}
+                        return
+                    incomplete = event.finish_reason == "length"
+                    for out in builder.close("incomplete" if incomplete else "completed"):
+                        yield out
+                    self.final = {**self.head, "status": "incomplete" if incomplete else "completed",
+                                  "output": builder.output, "usage": usage(self.prompt_tokens,
+                                                                           event.usage.completion_tokens),
+                                  "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                                  "completed_at": round(time.time(), 3)}
+                    await self._save()
+                    yield {"type": f"response.{self.final['status']}", "response": self.final}
+        except BaseException as exc:  # the client went away (cancelled), or the server failed
+            if self.final is None and stream and self.store is not None:
+                ended = {**self.head, "status": "cancelled"} if not isinstance(exc, Exception) else {
+                    **self.head, "status": "failed", "error": {"code": "server_error", "message": _describe(exc)}}
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.store.put_response(self.owner, ended)
+                    except Exception:
+                        log.exception("could not store the end of response %s", self.head["id"])
+            raise
+
+    async def _save(self) -> None:
+        if self.store is not None:
+            await self.store.put_response(self.owner, self.final, self.items)
+        if self.conversation_id is not None:
+            await self.conversations.append_conversation_items(self.owner, self.conversation_id,
+                                                               self.items + self.final["output"])
+
+    async def collect(self, events) -> dict:
+        async for _ in self.events(events, stream=False):
+            pass
+        if self.final["status"] == "failed":
+            raise self.final["spark_error"]
+        return self.final
+
+    async def sse(self, events):
+        """The events as SSE, numbered; a failure of the server itself ends the stream with an ``error`` event."""
+        seq = 0
+        try:
+            async for event in self.events(events, stream=True):
+                yield _sse_event({**event, "sequence_number": seq})
+                seq += 1
+        except Exception as exc:
+            log.exception("response %s failed", self.head["id"])
+            yield _sse_event({"type": "error", "code": "server_error", "message": _describe(exc), "param": None,
+                              "sequence_number": seq})
+
+
+def _sse_event(event: dict) -> bytes:
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+def _describe(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, ApiError) else f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _public(response: dict) -> dict:
+    return {k: v for k, v in response.items() if k != "spark_error"}
+
+
+@bp.get("/v1/responses/<rid>")
+async def get_response(rid: str):
+    response = await (await _store()).get_response(_owner(), rid)
+    if response is None:
+        raise _not_found("response", rid)
+    return response
+
+
+@bp.delete("/v1/responses/<rid>")
+async def delete_response(rid: str):
+    if not await (await _store()).delete_response(_owner(), rid):
+        raise _not_found("response", rid)
+    return {"id": rid, "object": "response.deleted", "deleted": True}
+
+
+@bp.get("/v1/responses/<rid>/input_items")
+async def list_input_items(rid: str):
+    after, limit, order = _page_args()
+    page = await (await _store()).response_input_items(_owner(), rid, after=after, limit=limit, order=order)
+    if page is None:
+        raise _not_found("response", rid)
+    return _list(*page)
+
+
+def _page_args() -> tuple[str | None, int, str]:
+    args = request.args
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order")
+    try:
+        limit = int(args.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be an integer in [1, 100], got {args.get('limit')!r}", param="limit")
+    return args.get("after"), limit, order
+
+
+def _list(items: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+# -- conversations -----------------------------------------------------------------------
+
+
+@bp.post("/v1/conversations")
+async def create_conversation():
+    raw = await request.get_data()
+    req = parse_body(raw, ConversationRequest) if raw.strip() else ConversationRequest()
+    items = input_items(req.items or [], param="items")
+    conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
+                    "metadata": req.metadata or {}}
+    await (await _store()).create_conversation(_owner(), conversation, items)
+    return conversation
+
+
+@bp.get("/v1/conversations/<cid>")
+async def get_conversation(cid: str):
+    conversation = await (await _store()).get_conversation(_owner(), cid)
+    if conversation is None:
+        raise _not_found("conversation", cid)
+    return conversation
+
+
+@bp.delete("/v1/conversations/<cid>")
+async def delete_conversation(cid: str):
+    if not await (await _store()).delete_conversation(_owner(), cid):
+        raise _not_found("conversation", cid)
+    return {"id": cid, "object": "conversation.deleted", "deleted": True}
+
+
+@bp.get("/v1/conversations/<cid>/items")
+async def list_conversation_items(cid: str):
+    after, limit, order = _page_args()
+    page = await (await _store()).conversation_items(_owner(), cid, after=after, limit=limit, order=order)
+    if page is None:
+        raise _not_found("conversation", cid)
+    return _list(*page)
+
+
+@bp.post("/v1/conversations/<cid>/items")
+async def add_conversation_items(cid: str):
+    items = input_items(parse_body(await request.get_data(), ItemsRequest).items, param="items")
+    if not await (await _store()).append_conversation_items(_owner(), cid, items):
+        raise _not_found("conversation", cid)
+    return _list(items, False)

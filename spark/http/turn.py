@@ -1,0 +1,316 @@
+"""One chat turn: a conversation rendered into a prompt, generated, and parsed into content,
+reasoning and tool calls. Every chat API (OpenAI chat completions, Anthropic Messages,
+Responses) converts its request into OpenAI-shaped messages and tools, and builds its
+response from the events below; nothing here knows a wire format.
+
+    fmt = chat_format(system.config, system.tokenizer)       # what the served model writes (cheap)
+    turn = prepare_turn(system.tokenizer, fmt, messages, tools=tools, tool_choice=ToolChoice("auto"),
+                        chat_template_kwargs={}, enable_thinking=None, thinking_budget=None)
+    # ^ renders the chat template: call it off the event loop (trio.to_thread.run_sync)
+    request = GenerateRequest(rid, turn.prompt.prompt_ids, turn.sampling(params), stop=stops)
+    async with run_turn(system, request, turn.parser()) as events:   # ApiError at once if refused
+        async for event in events:
+            ...  # ContentDelta(text) | ReasoningDelta(text) | ToolCallDelta(index, id, name, arguments)
+                 # then exactly one TurnDone(result, finish_reason, usage, stop_string, error), last
+    done = await run_turn(system, request, turn.parser()).collect()   # not streamed: the same TurnDone
+
+With n choices, make one parser per choice and feed each its pieces with
+``parser.step(piece)``, which returns the same events (chat completions does this).
+
+Messages, tools and thinking (how the prompt is rendered, how the thinking switch and budget
+are settled) are in ``spark.http.chat_prompt``, whose names this module re-exports.
+
+Tool choice (``ToolChoice``): "none" renders without tools and parses no calls; "auto" lets the
+model choose; "required" (or a function name) needs at least one call (to that function). Until
+constrained decoding exists, a reply that breaks it ends the turn with ``TurnDone.error``:
+422 ``tool_choice_not_satisfied``. A call to another name ends the turn at once, before any of
+its deltas; a missing call is known at the end (a reply cut off by max_tokens ends "length"). With ``parallel_tool_calls=False`` only the
+first call is kept. Calls to tools that were not offered are returned with ``unknown=True``;
+they do not satisfy "required".
+
+Finish reasons: "tool_calls" when calls were made and the model stopped; else the engine's
+"stop" or "length" ("length" wins over calls: a cut-off call may be incomplete); "error" with
+``TurnDone.error`` set.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from spark.actors.messages import GenerateRequest, RequestOutput
+from spark.actors.system import SubmitError
+from spark.engine.sampling import SamplingParams
+from spark.http.chat_prompt import (EFFORT_BUDGETS, ChatFormat, RenderedPrompt, ToolChoice, chat_format, check_tools,
+                                    effort_thinking, engine_thinking_budget, render_chat, template_messages)
+from spark.http.errors import ApiError
+from spark.parsers import (ChatOutputParser, ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta,
+                           to_openai_tool_calls)
+
+__all__ = [
+    "EFFORT_BUDGETS", "ChatFormat", "ContentDelta", "PreparedTurn", "ReasoningDelta", "RenderedPrompt", "ToolCall",
+    "ToolCallDelta", "ToolChoice", "TurnDone", "TurnEvent", "TurnParser", "TurnResult", "TurnStream", "Usage",
+    "chat_format", "check_tools", "effort_thinking", "engine_thinking_budget", "prepare_turn", "render_chat",
+    "run_turn", "template_messages",
+]
+
+TOOL_CHOICE_NOT_SATISFIED = "tool_choice_not_satisfied"
+
+
+# -- parsing ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@attrs.frozen
+class TurnResult:
+    """The whole reply: what the streamed deltas add up to."""
+
+    content: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...] = ()  # .id, .name, .arguments (a dict), .unknown
+
+    def openai_tool_calls(self) -> list[dict[str, Any]]:
+        """``[{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}]``."""
+        return to_openai_tool_calls(self.tool_calls)
+
+
+@attrs.frozen
+class TurnDone:
+    """The last event of a turn."""
+
+    result: TurnResult
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "error"
+    usage: Usage
+    stop_string: str | None = None  # the stop string that ended the output, if one did
+    error: ApiError | None = attrs.field(default=None, eq=False)  # set when finish_reason == "error":
+    # 500 generation_failed, or 422 tool_choice_not_satisfied (``.status``, ``.code``, ``.message``)
+
+
+TurnEvent = ContentDelta | ReasoningDelta | ToolCallDelta | TurnDone
+
+
+class TurnParser:
+    """Parse one reply as it streams: reasoning, content and tool calls, with the tool choice enforced.
+
+    Args:
+      tool_parser: a ``spark.parsers.TOOL_PARSERS`` name, or None for no tool-call parsing.
+      reasoning: split ``<think>`` blocks off as reasoning.
+      tools: the offered tools (they type XML-format arguments and flag unknown names), or None.
+      prompt_ends_in_thinking: the output starts inside ``<think>``.
+      tool_choice: checked against the calls (see the module docstring).
+      parallel_tool_calls: False keeps only the first call.
+      id_prefix: call ids are this plus 8 hex digits (default: random).
+    """
+
+    def __init__(self, tool_parser: str | None, reasoning: bool, tools: Sequence[Mapping[str, Any]] | None = None,
+                 prompt_ends_in_thinking: bool = False, *, tool_choice: ToolChoice = ToolChoice(),
+                 parallel_tool_calls: bool = True, id_prefix: str | None = None):
+        self.reasoning = reasoning  # whether a response should show a reasoning field
+        self.tool_choice = tool_choice
+        self.parallel_tool_calls = parallel_tool_calls
+        self._stream = ChatOutputParser(tool_parser, reasoning, tools, prompt_ends_in_thinking, id_prefix=id_prefix)
+        self._violation: str | None = None
+        self._done: TurnDone | None = None
+
+    def feed(self, text: str) -> list[TurnEvent]:
+        """Add output text; returns the content, reasoning and tool-call deltas now certain."""
+        return self._keep(self._stream.feed(text))
+
+    def flush(self) -> list[TurnEvent]:
+        """Mark the end of the output; returns the deltas held back until now."""
+        return self._keep(self._stream.flush())
+
+    def finish(self) -> TurnResult:
+        """The whole reply (call ``flush`` first to get the last deltas)."""
+        out = self._stream.finish()
+        return TurnResult(out.content, out.reasoning, tuple(out.tool_calls if self.parallel_tool_calls
+                                                            else out.tool_calls[:1]))
+
+    def step(self, piece: RequestOutput) -> list[TurnEvent]:
+        """Turn one engine piece into events; the last piece's events end with a ``TurnDone``.
+
+        Returns nothing once a ``TurnDone`` was returned (after an error, stop reading).
+        """
+        if self._done is not None:
+            return []
+        if piece.finish_reason == "error":
+            return [self._end(piece, "error", ApiError(500, f"generation failed: {piece.error or 'unknown error'}",
+                                                       code="generation_failed"))]
+        events = self.feed(piece.text) if piece.text else []
+        if piece.finish_reason is None and self._violation is None:
+            return events
+        if self._violation is None:
+            events += self.flush()
+        return events + [self._end(piece, piece.finish_reason)]
+
+    def fail(self, message: str) -> TurnDone:
+        """End the turn with a generation error (the stream broke off)."""
+        return self._end(RequestOutput("", "", ()), "error", ApiError(500, f"generation failed: {message}",
+                                                                      code="generation_failed"))
+
+    @property
+    def done(self) -> TurnDone | None:
+        return self._done
+
+    def _end(self, piece: RequestOutput, reason: str | None, error: ApiError | None = None) -> TurnDone:
+        result = self.finish()
+        if (reason == "stop" and self._violation is None and self.tool_choice.mode == "required"
+                and not any(not call.unknown for call in result.tool_calls)):  # cut off ("length"): say so instead
+            wanted = f"a call to {self.tool_choice.name!r}" if self.tool_choice.name else "a tool call"
+            self._violation = f"tool_choice requires {wanted}, and the model made none"
+        if error is None and self._violation is not None:
+            error = ApiError(422, self._violation, param="tool_choice", code=TOOL_CHOICE_NOT_SATISFIED)
+        if error is not None:
+            reason = "error"
+        elif result.tool_calls and reason == "stop":
+            reason = "tool_calls"
+        self._done = TurnDone(result, reason or "stop", Usage(piece.num_prompt_tokens, piece.num_output_tokens),
+                              piece.stop_string, error)
+        return self._done
+
+    def _keep(self, events: list) -> list[TurnEvent]:
+        if self._violation is not None:
+            return []
+        out = []
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                if event.index > 0 and not self.parallel_tool_calls:
+                    continue
+                wanted = self.tool_choice.name
+                if event.name is not None and wanted is not None and event.name != wanted:
+                    self._violation = f"tool_choice requires a call to {wanted!r}, the model called {event.name!r}"
+                    break
+            out.append(event)
+        return out
+
+
+# -- a turn end to end ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class PreparedTurn:
+    """A rendered prompt plus what its generation and parsing need; from ``prepare_turn``."""
+
+    prompt: RenderedPrompt
+    fmt: ChatFormat
+    tools: tuple[dict, ...] | None  # the offered tools (None with tool_choice "none")
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    thinking_budget: int | None  # for the engine; None: unlimited
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with this turn's thinking budget and start state."""
+        return attrs.evolve(params, thinking_budget=self.thinking_budget,
+                            starts_in_thinking=self.prompt.prompt_ends_in_thinking)
+
+    def parser(self, *, id_prefix: str | None = None) -> TurnParser:
+        """A fresh parser for one reply (one per choice)."""
+        return TurnParser(self.fmt.tool_parser if self.tools else None, self.fmt.reasoning, self.tools,
+                          self.prompt.prompt_ends_in_thinking, tool_choice=self.tool_choice,
+                          parallel_tool_calls=self.parallel_tool_calls, id_prefix=id_prefix)
+
+
+def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any]], *,
+                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = ToolChoice(),
+                 parallel_tool_calls: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 enable_thinking: bool | None = None, thinking_budget: int | None = None) -> PreparedTurn:
+    """Check the tools and the tool choice, render the prompt, and settle thinking.
+
+    Renders the chat template: call it off the event loop.
+
+    Args:
+      tokenizer: the model's ``Tokenizer``.
+      fmt: from ``chat_format``.
+      messages: OpenAI chat messages.
+      tools: OpenAI function tools, or None.
+      tool_choice: see ``ToolChoice``.
+      parallel_tool_calls: False keeps only the first call.
+      chat_template_kwargs: more template variables (``enable_thinking`` among them).
+      enable_thinking: the API's thinking switch, or None.
+      thinking_budget: reasoning tokens asked for, or None (capped by the server's maximum).
+
+    Returns:
+      The ``PreparedTurn``.
+
+    Raises:
+      ApiError: 400 naming the bad field.
+    """
+    tools = check_tools(tools)
+    if tool_choice.mode == "required" and not tools:
+        raise ApiError(400, "tool_choice requires a tool call, but no tools were given", param="tool_choice")
+    names = {t["function"]["name"] for t in tools or ()}
+    if tool_choice.name is not None and tool_choice.name not in names:
+        raise ApiError(400, f"tool_choice names {tool_choice.name!r}, which is not among the tools",
+                       param="tool_choice")
+    offered = tuple(tools) if tools and tool_choice.mode != "none" else None
+    prompt = render_chat(tokenizer, messages, fmt=fmt, tools=offered, chat_template_kwargs=chat_template_kwargs,
+                         enable_thinking=enable_thinking)
+    budget = engine_thinking_budget(fmt, prompt.thinking_enabled, thinking_budget)
+    return PreparedTurn(prompt, fmt, offered, tool_choice, parallel_tool_calls, budget)
+
+
+class TurnStream:
+    """The events of one generation; ``async with`` it: leaving before ``TurnDone`` cancels the request."""
+
+    def __init__(self, stream, parser: TurnParser):
+        self._stream = stream
+        self.parser = parser
+        self._pending: collections.deque = collections.deque()
+
+    async def __aenter__(self) -> "TurnStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stream.aclose()
+
+    def __aiter__(self) -> "TurnStream":
+        return self
+
+    async def __anext__(self) -> TurnEvent:
+        while not self._pending:
+            if self.parser.done is not None:
+                raise StopAsyncIteration
+            try:
+                piece = await self._stream.__anext__()
+            except StopAsyncIteration:  # the system closed the stream without a last piece
+                self._pending.append(self.parser.fail("the stream ended early (is the server shutting down?)"))
+                continue
+            self._pending.extend(self.parser.step(piece))
+        return self._pending.popleft()
+
+    async def collect(self) -> TurnDone:
+        """Read the whole turn; returns its ``TurnDone`` (the deltas are in its result)."""
+        async with self:
+            async for event in self:
+                if isinstance(event, TurnDone):
+                    return event
+        raise AssertionError("unreachable: a turn always ends with TurnDone")
+
+
+def run_turn(system, request: GenerateRequest, parser: TurnParser) -> TurnStream:
+    """Submit one generation and parse it as it streams.
+
+    Args:
+      system: the ``SparkSystem``.
+      request: the generation (its params from ``PreparedTurn.sampling``).
+      parser: a fresh ``TurnParser`` (``PreparedTurn.parser()``).
+
+    Returns:
+      A ``TurnStream``: ``async with`` it and iterate ``TurnEvent``s, or ``await .collect()``.
+
+    Raises:
+      ApiError: the system refused the request (429 rate limited, 503 queue full, 400 too long).
+    """
+    try:
+        stream = system.submit(request)
+    except SubmitError as exc:
+        raise ApiError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after) from None
+    return TurnStream(stream, parser)

