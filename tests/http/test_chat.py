@@ -120,3 +120,21 @@ def test_model_alias_and_missing_model(server, alias):
     with server.http() as http:
         r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.json()["model"] == server.model
+
+
+def test_greedy_chat_equals_spark_generate_chat(server):
+    """The server and `spark generate --chat` run the same prompt through the same engine: same text."""
+    import json
+    import subprocess
+    import sys
+
+    prompt = "Name three colours of the rainbow."
+    cli = subprocess.run(
+        [sys.executable, "-m", "spark.cli", "generate", "--chat", "--json", "--max-tokens", "24", "--device", "cpu", prompt],
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    generated = json.loads(cli.stdout)
+    served = _chat(server, [{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
+    assert served.choices[0].message.content == generated["text"]
+    assert served.usage.completion_tokens == len(generated["token_ids"])
+    assert served.usage.prompt_tokens == len(generated["prompt_token_ids"])
