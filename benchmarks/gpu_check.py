@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from spark.engine import attention
 from spark.engine.engine import Engine
 from spark.engine.kernels import kv_write, paged_attention as pa
 from spark.engine.sampling import SamplingParams

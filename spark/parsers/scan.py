@@ -38,7 +38,6 @@ def find_tag(buf: str, start: int, tags: Sequence[str], final: bool) -> tuple[in
       `(i, tag)` for the first tag found at `i`; else `(safe, None)` where `buf[start:safe]`
       holds no tag and `buf[safe:]` is a proper prefix of a tag, held back (empty if final).
     """
-    longest = max(map(len, tags))
     i = buf.find("<", start)
     while i >= 0:
         tag = tag_at(buf, i, tags, final)

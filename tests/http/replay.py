@@ -123,7 +123,8 @@ class ReplayEngine(EngineDouble):
 @contextlib.contextmanager
 def replay_server(engine: ReplayEngine, **config):
     """Serve ``engine`` on a free port of 127.0.0.1 in a background thread; yields a ``Server``."""
-    config = ServeConfig(model="replay", served_name="replay", port=0, device="cpu", api_keys=(API_KEY,), **config)
+    config = ServeConfig(**{"model": "replay", "served_name": "replay", "port": 0, "device": "cpu",
+                            "api_keys": (API_KEY,), **config})
     started: queue.Queue = queue.Queue()
 
     async def main() -> None:

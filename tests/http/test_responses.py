@@ -4,10 +4,8 @@ with a SQLite store: turns, streams, tools, state across turns and restarts, iso
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -18,12 +16,9 @@ import time
 import httpx
 import openai
 import pytest
-import trio
 
-from spark.http.serve import serve_async
-from spark.serve_config import ServeConfig
 from spark.state import Store, owner_of
-from tests.http.conftest import Server
+from tests.http.replay import replay_server
 from tests.http.replay import ReplayEngine, qwen_like_tokenizer
 
 KEY_A, KEY_B = "sk-a", "sk-b"
@@ -42,38 +37,9 @@ REPLIES = {
 
 @contextlib.contextmanager
 def serving(engine, **config):
-    """A server for ``engine`` on a free port, in a thread; yields its ``Server`` (key A's client)."""
-    config = ServeConfig(**{"model": "replay", "served_name": "replay", "port": 0, "device": "cpu",
-                            "api_keys": (KEY_A, KEY_B), **config})
-    started: queue.Queue = queue.Queue()
-
-    async def main() -> None:
-        stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(functools.partial(serve_async, config, engine=engine,
-                                                        shutdown_trigger=stop.wait, quiet=True))
-            started.put((url, trio.lowlevel.current_trio_token(), stop))
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:
-            started.put(exc)
-
-    thread = threading.Thread(target=run, daemon=True, name="spark-responses-server")
-    thread.start()
-    got = started.get(timeout=60)
-    if isinstance(got, BaseException):
-        raise got
-    url, token, stop = got
-    server = Server(url, "replay")
-    try:
+    """A server for ``engine`` on a free port, in a thread, accepting keys A and B; yields its ``Server``."""
+    with replay_server(engine, **{"api_keys": (KEY_A, KEY_B), **config}) as server:
         yield server
-    finally:
-        server.close()
-        trio.from_thread.run_sync(stop.set, trio_token=token)
-        thread.join(timeout=30)
-        assert not thread.is_alive()
 
 
 def _client(server, key: str = KEY_A) -> openai.OpenAI:
