@@ -254,13 +254,16 @@ async def create_message():
     stops = stop_strings(req.stop_sequences)
     system, turn, stage = await prepare(req, req.max_tokens)
     given = {k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(req, k)) is not None}
+    limits = current_app.extensions["spark"].limits  # read once: a profile switch may clear it meanwhile
+    if limits is None:
+        raise ApiError(503, "the model is switching; retry shortly", code="model_loading", retry_after=2)
     try:  # the recipe's sampling defaults for what the request leaves out
-        params = SamplingParams(**{**dict(current_app.extensions["spark"].limits.sampling_defaults), **given},
+        params = SamplingParams(**{**dict(limits.sampling_defaults), **given},
                                 max_tokens=req.max_tokens)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
     prompt = turn.prompt.prompt_ids
-    room = current_app.extensions["spark"].limits.max_model_len - len(prompt)
+    room = limits.max_model_len - len(prompt)
     mid = f"msg_{secrets.token_hex(12)}"
     generate = GenerateRequest(mid, prompt, attrs.evolve(turn.sampling(params), max_tokens=min(req.max_tokens, room)),
                                stop=stops, api_key=g.api_key)
