@@ -153,4 +153,4 @@ def _send(stream: _Stream, piece: RequestOutput, *, close: bool) -> None:
 
 
 def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer else ""
+    return tokenizer.token_text(token_id) if tokenizer else ""

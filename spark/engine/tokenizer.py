@@ -60,6 +60,22 @@ _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
               "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>"}
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class Tokenizer:
     """A model's tokenizer: encode, decode, and render chat prompts.
 
@@ -233,6 +249,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of an id (byte-level form, e.g. `Ġhello`), or None."""
         return self.backend.id_to_token(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs show it: bytes that are not (complete) UTF-8
+        on their own — half of an emoji, say — come out as ``\\xNN`` escapes, not U+FFFD."""
+        piece = self.id_to_token(token_id)
+        if piece is not None and token_id not in self.special_ids and token_id not in self._raw_pieces \
+                and isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel):
+            raw = bytes(_BYTE_OF_CHAR[c] for c in piece if c in _BYTE_OF_CHAR)
+            if len(raw) == len(piece):
+                return raw.decode("utf-8", errors="backslashreplace")
+        return self.decode([token_id])
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary string, or None."""

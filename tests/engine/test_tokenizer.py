@@ -334,3 +334,14 @@ def _write_tiny_gguf(path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
+
+
+def test_token_text_escapes_partial_utf8_and_keeps_the_bytes(tok):
+    from spark.http.formatting import token_bytes
+
+    text = "héllo 🌊 world 中文<|im_end|>"
+    ids = tok.encode(text)
+    pieces = [tok.token_text(i) for i in ids]
+    assert "\ufffd" not in "".join(pieces)  # half an emoji is shown as \xNN escapes, not U+FFFD
+    assert any("\\x" in p for p in pieces)
+    assert bytes(b for p in pieces for b in token_bytes(p)) == text.encode()
