@@ -105,16 +105,16 @@ class Ingress:
             raise SubmitError(400, "invalid_request_error", f"prompt token ids must lie in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for t, _ in request.params.logit_bias):
             raise SubmitError(400, "invalid_request_error", f"logit_bias token ids must lie in [0, {self.vocab_size})")
-        now = trio.current_time()
+        queue = self._admissions.statistics()
+        if queue.current_buffer_used >= queue.max_buffer_size and not queue.tasks_waiting_receive:  # before the rate limit
+            raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0)
         if request.api_key is not None:
-            wait = self.rate_limiter.check(request.api_key, n + request.params.max_tokens, now)
+            wait = self.rate_limiter.check(request.api_key, n + request.params.max_tokens, trio.current_time())
             if wait is not None:
                 retry = 3600.0 if math.isinf(wait) else wait
                 raise SubmitError(429, "rate_limit_exceeded", "rate limit reached for this API key", retry_after=retry)
         pieces_send, pieces = trio.open_memory_channel(request.params.max_tokens + 8)
-        try:
-            self._admissions.send_nowait(Submission(request, pieces_send, now))
-        except trio.WouldBlock:
-            raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0) from None
+        # No await since the check above: the queue still has room.
+        self._admissions.send_nowait(Submission(request, pieces_send, trio.current_time()))
         self._metrics.prompt_tokens.inc(n)
         return RequestStream(request.request_id, pieces, self._cancels.clone())
