@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
-import threading
 
 import attrs
 import httpx
@@ -17,6 +15,7 @@ import trio
 from spark.http.application import create_app
 from spark.http.serve import hypercorn_config
 from spark.serve_config import ServeConfig
+from tests.server_thread import serve_in_thread
 
 
 @attrs.define
@@ -53,37 +52,22 @@ def running_server(config: ServeConfig):
     config = attrs.evolve(config, port=0)
     app = create_app(config)
     state = app.extensions["spark"]
-    started: queue.Queue = queue.Queue()
 
-    async def main() -> None:
-        stop = trio.Event()
+    async def serve(*, shutdown_trigger, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            serve = functools.partial(hypercorn.trio.serve, app, hypercorn_config(config), shutdown_trigger=stop.wait)
-            binds = await nursery.start(serve)
-            if state.startup_error is not None:
+            hypercorn_serve = functools.partial(hypercorn.trio.serve, app, hypercorn_config(config),
+                                                shutdown_trigger=shutdown_trigger)
+            binds = await nursery.start(hypercorn_serve)
+            if state.startup_error is not None:  # hypercorn listens even when the app's start-up failed
                 nursery.cancel_scope.cancel()
-                return
-            started.put((binds[0], trio.lowlevel.current_trio_token(), stop))
+            else:
+                task_status.started(binds[0])
+        if state.startup_error is not None:  # raised out here, not wrapped in the nursery's group
+            raise state.startup_error
 
-    def run() -> None:
+    with serve_in_thread(serve, name="spark-control-server") as url:
+        running = RunningServer(url, config, state)
         try:
-            trio.run(main)
-        except BaseException as exc:
-            started.put(exc)
-        if state.startup_error is not None:
-            started.put(state.startup_error)
-
-    thread = threading.Thread(target=run, daemon=True, name="spark-control-server")
-    thread.start()
-    got = started.get(timeout=300)
-    if isinstance(got, BaseException):
-        raise got
-    url, token, stop = got
-    running = RunningServer(url, config, state)
-    try:
-        yield running
-    finally:
-        running.close_clients()
-        trio.from_thread.run_sync(stop.set, trio_token=token)
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the server did not shut down"
+            yield running
+        finally:
+            running.close_clients()

@@ -4,18 +4,16 @@ serving the embedded default model on a free port of 127.0.0.1."""
 from __future__ import annotations
 
 import functools
-import queue
-import threading
 
 import attrs
 import httpx
 import openai
 import pytest
 import torch
-import trio
 
 from spark.http.serve import serve_async
 from spark.serve_config import ServeConfig
+from tests.server_thread import serve_in_thread
 
 API_KEY = "sk-spark-test"
 MAX_MODEL_LEN = 512  # small, so a prompt that overflows the context is cheap to send
@@ -47,19 +45,6 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
 
-def _serve_in_thread(config: ServeConfig, started: queue.Queue) -> None:
-    async def main() -> None:
-        stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(functools.partial(serve_async, config, shutdown_trigger=stop.wait, quiet=True))
-            started.put((url, trio.lowlevel.current_trio_token(), stop))
-
-    try:
-        trio.run(main)
-    except BaseException as exc:  # start-up failed: let the fixture raise it
-        started.put(exc)
-
-
 @pytest.fixture(scope="session")
 def server():
     # One intra-op thread: the server's engine shares 2 cores with the HTTP clients of the tests,
@@ -69,19 +54,16 @@ def server():
     config = ServeConfig(model="default", port=0, device="cpu", max_model_len=MAX_MODEL_LEN,
                          api_keys=(API_KEY,), max_body_bytes=MAX_BODY_BYTES, kv_cache_bytes=256 << 20,
                          default_max_tokens=24)  # the chat REPL names no max_tokens
-    started: queue.Queue = queue.Queue()
-    thread = threading.Thread(target=_serve_in_thread, args=(config, started), daemon=True, name="spark-server")
-    thread.start()
-    got = started.get(timeout=300)
-    if isinstance(got, BaseException):
-        raise got
-    url, token, stop = got
-    with httpx.Client(base_url=url) as http:
-        assert http.get("/health").status_code == 200
-        model = http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
-    yield (running := Server(url, model))
-    running.close()
-    trio.from_thread.run_sync(stop.set, trio_token=token)
-    thread.join(timeout=30)
-    torch.set_num_threads(threads)
-    assert not thread.is_alive(), "the server did not shut down"
+    serve = functools.partial(serve_async, config, quiet=True)
+    try:
+        with serve_in_thread(serve, name="spark-server") as url:
+            with httpx.Client(base_url=url) as http:
+                assert http.get("/health").status_code == 200
+                model = http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
+            running = Server(url, model)
+            try:
+                yield running
+            finally:
+                running.close()  # an idle keep-alive connection would hold up shutdown
+    finally:
+        torch.set_num_threads(threads)

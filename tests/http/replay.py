@@ -13,19 +13,17 @@ import copy
 import functools
 import importlib.util
 import os
-import queue
-import threading
 import types
 from collections.abc import Mapping
 
 import httpx
-import trio
 
 from spark.engine.tokenizer import Tokenizer
 from spark.http.serve import serve_async
 from spark.serve_config import ServeConfig
 from tests.actors.engine_double import EngineDouble
 from tests.http.conftest import API_KEY, Server
+from tests.server_thread import serve_in_thread
 
 # A compact template in the shape of Qwen3's: tools in the system turn, hermes <tool_call> JSON
 # for earlier calls (``arguments | tojson``: a JSON string would print quoted), tool results as
@@ -125,34 +123,12 @@ def replay_server(engine: ReplayEngine, **config):
     """Serve ``engine`` on a free port of 127.0.0.1 in a background thread; yields a ``Server``."""
     config = ServeConfig(**{"model": "replay", "served_name": "replay", "port": 0, "device": "cpu",
                             "api_keys": (API_KEY,), **config})
-    started: queue.Queue = queue.Queue()
-
-    async def main() -> None:
-        stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(functools.partial(serve_async, config, engine=engine,
-                                                        shutdown_trigger=stop.wait, quiet=True))
-            started.put((url, trio.lowlevel.current_trio_token(), stop))
-
-    def run() -> None:
+    serve = functools.partial(serve_async, config, engine=engine, quiet=True)
+    with serve_in_thread(serve, name="spark-replay-server", timeout=60) as url:
+        with httpx.Client(base_url=url) as http:
+            assert http.get("/health").status_code == 200
+        server = Server(url, "replay")
         try:
-            trio.run(main)
-        except BaseException as exc:  # start-up failed: raise it in the test
-            started.put(exc)
-
-    thread = threading.Thread(target=run, daemon=True, name="spark-replay-server")
-    thread.start()
-    got = started.get(timeout=60)
-    if isinstance(got, BaseException):
-        raise got
-    url, token, stop = got
-    with httpx.Client(base_url=url) as http:
-        assert http.get("/health").status_code == 200
-    server = Server(url, "replay")
-    try:
-        yield server
-    finally:
-        server.close()
-        trio.from_thread.run_sync(stop.set, trio_token=token)
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the replay server did not shut down"
+            yield server
+        finally:
+            server.close()
