@@ -24,7 +24,7 @@ import torch
 from spark.engine.attention import AttentionMetadata
 from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
-from spark.engine.models.llama import LlamaModel
+from spark.engine.models.llama import LlamaModel, rope_inv_freq
 from spark.engine.page_allocator import PageAllocator
 from spark.engine.sampler import Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
@@ -144,7 +144,7 @@ class Engine:
         with torch.device("meta"):
             net = LlamaModel(source.config)
         net = net.to_empty(device=device).to(dtype)
-        net.inv_freq = _inv_freq_on(source.config, device)
+        net.inv_freq = rope_inv_freq(source.config).to(device)  # to_empty() left the buffer uninitialised
         net.load_weights(iter_weights(source, dtype=dtype, device=device, progress=progress))
         net.eval()
         tokenizer = _load_tokenizer(source)
@@ -419,12 +419,6 @@ def _think_tags(tokenizer) -> tuple[int, tuple[int, ...]] | None:
     if start is None or end is None:
         return None
     return start, (end, *tokenizer.encode("\n\n"))
-
-
-def _inv_freq_on(config: ModelConfig, device) -> torch.Tensor:
-    from spark.engine.models.llama import rope_inv_freq
-
-    return rope_inv_freq(config).to(device)
 
 
 def _load_tokenizer(source):
