@@ -2,8 +2,8 @@
 
     python benchmarks/gpu_check.py
 
-1. Triton kernels (paged decode attention with and without split-KV, KV write)
-   against their torch references on random bf16 data of real shapes.
+1. Triton kernels (paged decode attention with and without split-KV, KV write,
+   fused rope + KV write) against their torch references on random bf16 data of real shapes.
 2. The engine on dummy weights of real shapes (bf16): the Triton decode path
    against the torch reference path, token for token (greedy), and a first
    rough decode speed (the tuned fast path is a later issue).
@@ -21,7 +21,7 @@ import time
 import torch
 
 from spark.engine.engine import Engine
-from spark.engine.kernels import kv_write, paged_attention as pa
+from spark.engine.kernels import kv_write, paged_attention as pa, rope
 from spark.engine.sampling import SamplingParams
 
 
@@ -58,6 +58,42 @@ def check_kernels(rows: list) -> None:
     kv_write.write_kv_triton(k, v, kc, vc, slots)
     kv_write.write_kv_reference(k, v, kr, vr, slots)
     rows.append({"check": "kv_write", "ok": bool(torch.equal(kc, kr) and torch.equal(vc, vr))})
+    check_rope_write_kv(rows)
+
+
+def check_rope_write_kv(rows: list) -> None:
+    """The fused rope + KV-write kernel vs rope-then-write in torch, on a Llama-3.1-8B layer's shapes (bf16)."""
+    heads, kv_heads, dim, tokens, page = 32, 8, 128, 64, 16
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = (x.view(tokens, -1, dim) for x in fused.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1))
+    positions = torch.randint(0, 131072, (tokens,), device="cuda", generator=gen)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    num_pages = 2 * tokens // page
+    slots = torch.randperm(num_pages * page, device="cuda", generator=gen)[:tokens]
+    slots[::5] = -1  # padding tokens: nothing may be written for them
+    kc = torch.full((num_pages, page, kv_heads, dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
+    q_out = rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, kc, vc, slots)
+    q_ref = rope.rope_and_write_kv_reference(q, k, v, positions, inv_freq, kr, vr, slots)
+    torch.cuda.synchronize()
+    written = ~kr.isnan()
+    same_slots = torch.equal(kc.isnan(), ~written) and torch.equal(vc.isnan(), ~written)
+    # Same fp32 formula on both sides; only cos/sin ulps differ, so at most 1 bf16 ulp
+    # apart (a bf16 ulp of x is at most |x| * 2**-7; 1e-6 lets values near 0 change sign).
+    pairs = [(q_out.float(), q_ref.float()), (kc[written].float(), kr[written].float())]
+    within_ulp = all(bool(((a - b).abs() <= b.abs() * 2**-7 + 1e-6).all()) for a, b in pairs)
+    err = max((a - b).abs().max().item() for a, b in pairs)
+    t = bench(lambda: rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, kc, vc, slots))
+    def unfused():
+        q_rot, k_rot = rope.apply_rope_triton(q, k, positions, inv_freq)
+        kv_write.write_kv_triton(k_rot, v, kc, vc, slots)
+
+    t_unfused = bench(unfused)
+    rows.append({"check": "rope_write_kv", "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+                 "page": page, "max_abs_err": err, "within_1_bf16_ulp": within_ulp,
+                 "us": t * 1e6, "us_rope_then_write": t_unfused * 1e6,
+                 "ok": bool(same_slots and within_ulp and torch.equal(vc[written], vr[written]))})
 
 
 def bench(fn, reps: int = 20) -> float:

@@ -38,11 +38,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into their pages, then attend. Returns [T, H, Dh]."""
+    """Write this step's K/V into their pages, then attend. Returns [T, H, Dh].
+
+    ``kv_written``: the caller has already written k and v into the cache (the fused
+    rope + KV-write kernel on a GPU), so they are not written again; k and v are unused.
+    """
     on_gpu = q.is_cuda
-    write = kv_write.write_kv_triton if on_gpu else kv_write.write_kv_reference
-    write(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not kv_written:
+        write = kv_write.write_kv_triton if on_gpu else kv_write.write_kv_reference
+        write(k, v, k_cache, v_cache, meta.slot_mapping)
     if on_gpu and meta.decode_only:
         return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     if on_gpu:

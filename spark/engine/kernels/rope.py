@@ -6,11 +6,17 @@ computed in fp32 and cast back to x's dtype. The angle is the same fp32 product 
 both versions; cos/sin are not bit-identical (torch's vs numpy's in the interpreter,
 libdevice's `__nv_cosf`/`__nv_sinf` on the GPU), each within ~2 fp32 ulps of the true
 value, so results agree to ~1e-6 absolute for unit-scale inputs, far below a bf16 ulp.
+
+`rope_and_write_kv_*` fuses the rotation with the paged KV-cache write (see kv_write.py
+for the cache layout): decode at small batch is bound by kernel launches, and this
+saves one per layer.
 """
 
 import functools
 
 import torch
+
+from spark.engine.kernels.kv_write import write_kv_reference
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -92,6 +98,87 @@ def apply_rope_triton(
     return q_out, k_out
 
 
+def rope_and_write_kv_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k, write the rotated k and v into the paged cache (torch reference).
+
+    Args:
+      q: `[T, H, Dh]`, may be a strided view; not modified.
+      k, v: `[T, Hkv, Dh]`, likewise.
+      positions: `[T]` int64 position of each token.
+      inv_freq: `[Dh // 2]` fp32 inverse frequencies.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, Dh]`, written in place.
+      slot_mapping: `[T]` int64 flat slot of each token; -1 (padding) writes nothing.
+
+    Returns:
+      The rotated q, `[T, H, Dh]` in q's dtype.
+    """
+    q_rot, k_rot = apply_rope_reference(q, k, positions, inv_freq)
+    write_kv_reference(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
+def rope_and_write_kv_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k and write the rotated k and v into the paged cache: one launch (Triton).
+
+    One program per token computes its cos/sin once, rotates all its q heads into a new
+    contiguous output, rotates its k heads straight into the token's cache slot and
+    copies its v there. q is not rotated in place: it is a view into the fused qkv
+    output, and leaving that buffer as the projection wrote it keeps the call free of
+    aliasing surprises for the caller; a [T, H, Dh] allocation costs no kernel launch.
+    No host syncs and shapes only from the inputs' sizes, so it can be graph-captured.
+
+    Args:
+      q: `[T, H, Dh]`, any strides; not modified.
+      k, v: `[T, Hkv, Dh]`, any strides; not modified.
+      positions: `[T]` int64.
+      inv_freq: `[Dh // 2]` fp32.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, Dh]`, same strides, written in place.
+      slot_mapping: `[T]` int64 flat slot of each token; -1 (padding) still gets its q
+        rotated but writes nothing to the cache.
+
+    Returns:
+      The rotated q, `[T, H, Dh]` contiguous, in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
+    assert inv_freq.shape == (half,) and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    kernel = _fused_kernel()
+    kernel[(num_tokens,)](
+        q, k, v, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
+        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_cache.stride(), inv_freq.stride(0),
+        num_heads, num_kv_heads, half,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
+    return q_out
+
+
 @functools.cache
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
@@ -143,3 +230,67 @@ def _kernel():
         tl.store(dst + half * stride_kod, (x2 * cos + x1 * sin).to(k_out_ptr.dtype.element_ty), mask=mask)
 
     return rope_kernel
+
+
+@functools.cache
+def _fused_kernel():
+    """JIT the fused rope + KV-write kernel at first launch, for the same reason as `_kernel`."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_write_kv_kernel(
+        q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+        stride_qot, stride_qoh, stride_qod, stride_cp, stride_co, stride_ch, stride_cd, stride_f,
+        num_heads, num_kv_heads, half,
+        PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, BLOCK_HALF)
+        dim_ok = dims < half
+        # cos/sin exactly as in `rope_kernel` (same fp32 angle, libdevice cos/sin on the GPU).
+        pos = tl.load(positions_ptr + token).to(tl.float32)
+        angle = pos * tl.load(inv_freq_ptr + dims * stride_f, mask=dim_ok, other=0.0)
+        cos = tl.cos(angle)[None, :]
+        sin = tl.sin(angle)[None, :]
+
+        # q: [BLOCK_H, BLOCK_HALF] halves, loaded as fp32 (the interpreter mishandles bf16
+        # arithmetic), rotated into the contiguous output whatever the token's slot.
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        mask = (heads < num_heads) & dim_ok[None, :]
+        src = q_ptr + token * stride_qt + heads * stride_qh + dims[None, :] * stride_qd
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half * stride_qd, mask=mask, other=0.0).to(tl.float32)
+        dst = q_out_ptr + token * stride_qot + heads * stride_qoh + dims[None, :] * stride_qod
+        tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half * stride_qod, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+
+        # int64 slot: page * stride_cp overflows int32 on caches beyond 2G elements.
+        # Padding tokens (slot -1) are masked out of the cache stores, not branched on.
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        heads = tl.arange(0, BLOCK_HKV)[:, None]
+        mask = (heads < num_kv_heads) & dim_ok[None, :] & (slot >= 0)
+        cache = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co + heads * stride_ch
+        cache_lo = cache + dims[None, :] * stride_cd
+        cache_hi = cache_lo + half * stride_cd
+
+        # k: rotated, rounded to k's dtype first (as the reference's k_rot is), then
+        # cast to the cache's dtype, so that mixed dtypes match the reference bit for bit.
+        src = k_ptr + token * stride_kt + heads * stride_kh + dims[None, :] * stride_kd
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half * stride_kd, mask=mask, other=0.0).to(tl.float32)
+        k_lo = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        k_hi = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + cache_lo, k_lo, mask=mask)
+        tl.store(k_cache_ptr + cache_hi, k_hi, mask=mask)
+
+        # v: a plain copy, in the same two halves so that it shares the k addressing.
+        src = v_ptr + token * stride_vt + heads * stride_vh + dims[None, :] * stride_vd
+        v_lo = tl.load(src, mask=mask)
+        v_hi = tl.load(src + half * stride_vd, mask=mask)
+        tl.store(v_cache_ptr + cache_lo, v_lo.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + cache_hi, v_hi.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    return rope_write_kv_kernel

@@ -97,11 +97,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if x.is_cuda:
-            q, k = rope_kernels.apply_rope_triton(q, k, *rope)
+            # One launch rotates q and k and writes k, v into the cache; attention then
+            # only reads the cache. Decode at small batch is bound by kernel launches.
+            positions, inv_freq = rope
+            q = rope_kernels.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True)  # [T, H, Dh]
         else:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
         return self.wo(out.reshape(T, q_size))
 
 

@@ -7,7 +7,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from spark.engine.kernels.rope import apply_rope_reference, apply_rope_triton
+from spark.engine.kernels.rope import (
+    apply_rope_reference,
+    apply_rope_triton,
+    rope_and_write_kv_reference,
+    rope_and_write_kv_triton,
+)
 from spark.engine.models import llama
 from tests.engine.kernels.conftest import assert_bf16_nearly_exact
 
@@ -91,3 +96,108 @@ def test_triton_no_tokens():
     q, k, _ = _qkv(torch.zeros(0, dtype=torch.int64), 4, 2, 64)
     q_out, k_out = apply_rope_triton(q, k, torch.zeros(0, dtype=torch.int64), _inv_freq(64))
     assert q_out.shape == (0, 4, 64) and k_out.shape == (0, 2, 64)
+
+
+def _fused_inputs(num_heads, num_kv_heads, head_dim, page_size, dtype=torch.float32, cache_dtype=None, seed=0):
+    """Strided q/k/v views of one fused [T, (H + 2*Hkv) * Dh] projection, NaN caches, shuffled slots with -1s."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = len(POSITIONS)
+    fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = fused.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k, v = k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    num_pages = 2 * num_tokens // page_size + 1
+    k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), float("nan"), dtype=cache_dtype or dtype)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]
+    slots[[1, 5, 8]] = -1
+    return (q, k, v), fused, (k_cache, v_cache), slots
+
+
+def _run_both(q, k, v, caches, slots, inv_freq):
+    """(triton's q, k_cache, v_cache), (the reference's), each on its own copy of the caches."""
+    k_ref, v_ref = caches[0].clone(), caches[1].clone()
+    q_ref = rope_and_write_kv_reference(q, k, v, POSITIONS, inv_freq, k_ref, v_ref, slots)
+    k_tri, v_tri = caches[0].clone(), caches[1].clone()
+    q_tri = rope_and_write_kv_triton(q, k, v, POSITIONS, inv_freq, k_tri, v_tri, slots)
+    return (q_tri, k_tri, v_tri), (q_ref, k_ref, v_ref)
+
+
+def test_fused_reference_is_rope_then_write():
+    (q, k, v), _, (k_cache, v_cache), slots = _fused_inputs(4, 2, 64, 16)
+    q_out = rope_and_write_kv_reference(q, k, v, POSITIONS, _inv_freq(64), k_cache, v_cache, slots)
+    q_rot, k_rot = apply_rope_reference(q, k, POSITIONS, _inv_freq(64))
+    assert torch.equal(q_out, q_rot)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache[slot // 16, slot % 16], k_rot[t])
+            assert torch.equal(v_cache[slot // 16, slot % 16], v[t])
+    assert k_cache.isnan().sum() == v_cache.isnan().sum() == k_cache.numel() - 8 * 2 * 64  # 8 real tokens
+
+
+# (H, Hkv, Dh, page_size): GQA groups 1 to 8, head_dim 64 and 128, page sizes 1 and 16,
+# head counts that are not powers of two (masked lanes).
+FUSED_SHAPES = [(4, 4, 64, 16), (6, 3, 64, 1), (8, 2, 128, 16), (9, 3, 128, 1), (16, 2, 64, 16), (8, 1, 128, 16)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page_size", FUSED_SHAPES)
+def test_fused_triton_matches_reference(num_heads, num_kv_heads, head_dim, page_size):
+    (q, k, v), fused, caches, slots = _fused_inputs(num_heads, num_kv_heads, head_dim, page_size)
+    fused_before = fused.clone()
+    (q_tri, k_tri, v_tri), (q_ref, k_ref, v_ref) = _run_both(q, k, v, caches, slots, _inv_freq(head_dim, 500000.0))
+    assert q_tri.shape == q.shape and q_tri.is_contiguous() and q_tri.dtype == q.dtype
+    # Padding tokens' q is rotated too; cos/sin differ from torch's by ~1-2 fp32 ulps.
+    torch.testing.assert_close(q_tri, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_tri, k_ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    # v is copied bit for bit; slots no real token maps to (padding's included) stay NaN.
+    torch.testing.assert_close(v_tri, v_ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(k_tri.isnan(), k_ref.isnan()) and (slots == -1).sum() == 3
+    assert torch.equal(fused, fused_before)  # the qkv projection output is left as it was
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+def test_fused_triton_bf16(dtype, cache_dtype, bf16_rounds_to_nearest):
+    (q, k, v), _, caches, slots = _fused_inputs(8, 2, 64, 16, dtype, cache_dtype)
+    (q_tri, k_tri, v_tri), (q_ref, k_ref, v_ref) = _run_both(q, k, v, caches, slots, _inv_freq(64))
+    written = ~k_ref.isnan()
+    assert torch.equal(k_tri.isnan(), ~written) and torch.equal(v_tri.isnan(), ~written)
+    torch.testing.assert_close(v_tri, v_ref, rtol=0, atol=0, equal_nan=True)
+    if dtype == torch.bfloat16:
+        assert_bf16_nearly_exact(q_tri, q_ref)
+    else:
+        torch.testing.assert_close(q_tri, q_ref, rtol=1e-5, atol=1e-5)
+    # k rounds to k's dtype before the cache's, as the reference's k_rot does: a bf16 k
+    # in an fp32 cache holds bf16 values exactly. Either way, every written k is a bf16.
+    k_tri, k_ref = k_tri[written], k_ref[written]
+    assert torch.equal(k_tri.bfloat16().to(cache_dtype), k_tri)
+    assert_bf16_nearly_exact(k_tri.bfloat16(), k_ref.bfloat16())
+
+
+def test_fused_triton_writes_through_interleaved_cache_views():
+    # Pages of k and v interleaved in one pool: the page stride is not page_size * the
+    # offset stride, so the slot must be split into (page, offset), not used flat.
+    (q, k, v), _, _, slots = _fused_inputs(6, 2, 64, 4)
+    pool = torch.full((len(POSITIONS), 2, 4, 2, 64), float("nan"))
+    pool_ref = pool.clone()
+    rope_and_write_kv_triton(q, k, v, POSITIONS, _inv_freq(64), pool[:, 0], pool[:, 1], slots)
+    rope_and_write_kv_reference(q, k, v, POSITIONS, _inv_freq(64), pool_ref[:, 0], pool_ref[:, 1], slots)
+    assert pool[:, 0].stride(0) != 4 * pool[:, 0].stride(1)
+    torch.testing.assert_close(pool, pool_ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.equal(pool.isnan(), pool_ref.isnan()) and not pool.isnan().all()
+
+
+def test_fused_triton_all_padding_writes_nothing():
+    (q, k, v), _, (k_cache, v_cache), slots = _fused_inputs(4, 2, 64, 16)
+    q_out = rope_and_write_kv_triton(q, k, v, POSITIONS, _inv_freq(64), k_cache, v_cache, torch.full_like(slots, -1))
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+    torch.testing.assert_close(q_out, apply_rope_reference(q, k, POSITIONS, _inv_freq(64))[0], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_triton_no_tokens():
+    (q, k, v), _, (k_cache, v_cache), _ = _fused_inputs(4, 2, 64, 16)
+    empty = torch.zeros(0, dtype=torch.int64)
+    q_out = rope_and_write_kv_triton(q[:0], k[:0], v[:0], empty, _inv_freq(64), k_cache, v_cache, empty)
+    assert q_out.shape == (0, 4, 64) and k_cache.isnan().all()
