@@ -59,17 +59,25 @@ def spark_decode(engine, batch: int, reps: int) -> float:
             engine.step(StepPlan(tuple(ScheduledChunk(s, PROMPT, alloc.allocate(s, PROMPT)) for s in group)))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        steps = 0
+        tokens, launched = 0, 0
         live = list(ids)
-        while live:
-            chunks = tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
-            outs = engine.step(StepPlan(chunks))
-            steps += 1
-            live = [o.seq_id for o in outs if o.finish_reason is None]
+        while live or launched:
+            # Step N+1 is launched before step N's tokens are read back, as the server does.
+            if live and launched < 2:
+                chunks = tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
+                engine.launch(StepPlan(chunks))
+                launched += 1
+                if launched < 2:
+                    continue
+            outs = engine.collect()
+            launched -= 1
+            tokens += len(outs)
+            ended = {o.seq_id for o in outs if o.finish_reason is not None}
+            live = [s for s in live if s not in ended]
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if rep:
-            rates.append(batch * steps / seconds)
+            rates.append(tokens / seconds)
     return statistics.median(rates)
 
 

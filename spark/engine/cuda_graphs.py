@@ -95,8 +95,12 @@ class DecodeGraphs:
         self.seq_lens[start:].zero_()
 
     @torch.inference_mode()
-    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]]) -> torch.Tensor | None:
+    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], fixups=()) -> torch.Tensor | None:
         """Replay the graph for one decode step of ``len(ids)`` sequences.
+
+        Args:
+            fixups: ``(rows, tokens)`` device tensors: input ids that launched steps
+                are still sampling, written over ``ids`` on the device.
 
         Returns:
             logits ``[B, V]`` (a view into the graph's output; read it before the
@@ -107,12 +111,17 @@ class DecodeGraphs:
         width = max(len(t) for t in tables)
         if bucket is None or width > self.block_tables.shape[1]:
             return None
-        self.input_ids[:batch].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
-        self.positions[:batch].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
-        self.slot_mapping[:batch].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
-        self.seq_lens[:batch].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        self.block_tables[:batch, :width].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+        # One pinned staging buffer, one copy: the host never waits for the device here.
+        staged = torch.tensor([*ids, *positions, *slots, *seq_lens], dtype=torch.int64).pin_memory()
+        flat = staged.to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:batch].copy_(flat[:batch])
+        self.positions[:batch].copy_(flat[batch:2 * batch])
+        self.slot_mapping[:batch].copy_(flat[2 * batch:3 * batch])
+        self.seq_lens[:batch].copy_(flat[3 * batch:])
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).pin_memory()
+        self.block_tables[:batch, :width].copy_(padded, non_blocking=True)
+        for rows, tokens in fixups:
+            self.input_ids.index_copy_(0, rows, tokens)
         if batch < bucket:
             self._reset_padding(batch)
         graph, logits = self.graphs[bucket]

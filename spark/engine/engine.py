@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Hashable, Sequence as Seq
 
 import attrs
@@ -26,12 +26,13 @@ from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
 from spark.engine.models.llama import LlamaModel, rope_inv_freq
 from spark.engine.page_allocator import PageAllocator
-from spark.engine.sampler import Sampler, SamplingBatch
+from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
 
 log = logging.getLogger("spark.engine")
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+_MAX_ENDED = 65536  # ended ids remembered, so that a plan made before the end is known skips them
 GPU_MEMORY_FRACTION = 0.90  # of the memory free after loading, for the KV cache
 
 
@@ -70,14 +71,63 @@ class _Sequence:
     thinking: bool = False  # inside <think>...</think> now
     thinking_tokens: int = 0  # reasoning tokens generated so far
     forced: list[int] = attrs.Factory(list)  # tokens the engine writes next instead of sampling
+    # Launched steps that will sample this sequence's next tokens, oldest first, as
+    # (step, row): their tokens exist only on the device until the step is collected.
+    pending: deque = attrs.Factory(deque)
+    ended: bool = False  # a collected step finished it (while later launched steps still held it)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host: the prompt and the collected outputs."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_planned(self) -> int:
+        """Tokens a plan may compute up to: the known ones and those launched steps will sample."""
+        return self.num_tokens + len(self.pending)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """The next sample depends on the previous tokens' values on the host (penalties, forcing)."""
+        return self.params.has_penalties or bool(self.forced) or self.params.thinking_budget is not None
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+class _Launched:
+    """A step queued on the device: who samples, and the samples until they are read back."""
+
+    def __init__(self, seq_ids: list[Hashable]):
+        self.seq_ids = seq_ids  # one per sampled row, in plan order
+        self.result: SampleOutput | None = None
+        self.token_ids: torch.Tensor | None = None  # [N] on the device: the next step's inputs read it
+        self._host: list[torch.Tensor | None] = []
+        self._ready = None  # a CUDA event after the copies to the host
+        self.outputs: list[TokenOutput] | None = None  # once completed
+
+    def sampled(self, result: SampleOutput) -> None:
+        """Start copying the samples to the host without waiting for them."""
+        self.result, self.token_ids = result, result.token_ids
+        tensors = (result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs)
+        if result.token_ids.is_cuda:
+            self._host = [None if t is None else _to_pinned(t) for t in tensors]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = list(tensors)
+
+    def read(self) -> tuple[list, list | None, list | None, list | None]:
+        """(token ids, chosen logprobs, top ids, top logprobs) as lists; waits for the device."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return tuple(None if t is None else t.tolist() for t in self._host)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _default_device() -> torch.device:
@@ -116,6 +166,8 @@ class Engine:
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
         self.think_tags = _think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         self._seed_rng = random.Random()
+        self._inflight: deque[_Launched] = deque()  # launched, not yet collected, oldest first
+        self._ended: OrderedDict[Hashable, None] = OrderedDict()  # recently ended ids: plans may still name them
 
     @classmethod
     def load(
@@ -175,6 +227,7 @@ class Engine:
         self.kv_cache = None
         self.model = None
         self._seqs.clear()
+        self._inflight.clear()
 
     # -- sequences --------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, prompt_ids: Seq[int], params: SamplingParams) -> None:
@@ -195,8 +248,14 @@ class Engine:
         self._seqs[seq_id] = _Sequence(list(prompt_ids), params, seed, thinking=params.starts_in_thinking)
 
     def remove_sequence(self, seq_id: Hashable) -> None:
-        """Forget a sequence (finished sequences are forgotten on their own)."""
-        self._seqs.pop(seq_id, None)
+        """Forget a sequence (finished sequences are forgotten on their own).
+
+        A launched step that still holds it computes its row anyway; the token is dropped.
+        """
+        if self._seqs.pop(seq_id, None) is not None:
+            self._ended[seq_id] = None
+            while len(self._ended) > _MAX_ENDED:
+                self._ended.popitem(last=False)
 
     def reset_computed(self, seq_id: Hashable) -> None:
         """The sequence lost its pages (preempted): recompute all its tokens from the next step on."""
@@ -204,58 +263,160 @@ class Engine:
             self._seqs[seq_id].num_computed = 0
 
     def num_uncomputed(self, seq_id: Hashable) -> int:
-        """Tokens of ``seq_id`` known but not yet in the cache (the prompt left, or 1 when decoding)."""
+        """Tokens of ``seq_id`` a plan may still compute (the prompt left, or 1 when decoding)."""
         s = self._seqs[seq_id]
-        return s.num_tokens - s.num_computed
+        return s.num_planned - s.num_computed
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        return self._seqs[seq_id].num_tokens
+        """Tokens of ``seq_id`` so far, those that launched steps are sampling included."""
+        return self._seqs[seq_id].num_planned
 
     # -- the step ---------------------------------------------------------
-    @torch.inference_mode()
     def step(self, plan: StepPlan) -> list[TokenOutput]:
         """Compute the planned tokens in one forward; sample for sequences that caught up.
+
+        The synchronous form of ``launch`` + ``collect``; nothing else may be in flight.
 
         Returns:
             One ``TokenOutput`` per sequence that sampled a token this step, in plan order.
         """
-        if not plan.chunks:
-            return []
+        if self._inflight:
+            raise RuntimeError("step() while launched steps are not collected; use launch()/collect()")
+        self.launch(plan)
+        return self.collect()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> None:
+        """Queue the forward and the sampling of ``plan`` on the device and return without waiting.
+
+        A plan may compute tokens that earlier launched steps are still sampling
+        (a decode right behind the previous one): their ids are taken on the
+        device, so the host prepares step N+1 while the GPU runs step N. Chunks
+        of sequences that ended (or will end by length at a launched step) are
+        dropped: a pipelined planner learns of an end one step late.
+
+        Raises:
+            ValueError: the plan asks tokens a sequence does not have, or pages it lacks.
+        """
+        if any(self._waits_on_host(c) for c in plan.chunks):
+            self._complete_all()  # penalties and forced tokens need the previous tokens on the host
         ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
+        feeds: dict[int, tuple[list[int], list[int]]] = {}  # id(step) -> (rows of ids, rows of its tokens)
+        sources: dict[int, _Launched] = {}
+        kept: list[ScheduledChunk] = []
         page_size = self.page_size
-        for row, chunk in enumerate(plan.chunks):
-            s = self._seqs[chunk.seq_id]
+        for chunk in plan.chunks:
+            s = self._live(chunk.seq_id)
+            if s is None or self._ends_before(s):
+                continue
             start, end = s.num_computed, s.num_computed + chunk.num_tokens
-            if chunk.num_tokens < 1 or end > s.num_tokens:
-                raise ValueError(f"plan asks {chunk.num_tokens} tokens of {chunk.seq_id!r}, {s.num_tokens - start} left")
+            if chunk.num_tokens < 1 or end > s.num_planned:
+                raise ValueError(f"plan asks {chunk.num_tokens} tokens of {chunk.seq_id!r}, {s.num_planned - start} left")
             if len(chunk.block_table) * page_size < end:
                 raise ValueError(f"block table of {chunk.seq_id!r} holds {len(chunk.block_table)} pages, needs {end} tokens")
+            known = s.num_tokens
             for pos in range(start, end):
-                ids.append(s.token(pos))
+                if pos < known:
+                    ids.append(s.token(pos))
+                else:  # sampled by a launched step: read on the device
+                    launched, row = s.pending[pos - known]
+                    dst, src = feeds.setdefault(id(launched), ([], []))
+                    sources[id(launched)] = launched
+                    dst.append(len(ids))
+                    src.append(row)
+                    ids.append(0)
                 positions.append(pos)
                 slots.append(chunk.block_table[pos // page_size] * page_size + pos % page_size)
             qsl.append(qsl[-1] + chunk.num_tokens)
             seq_lens.append(end)
-            if end == s.num_tokens:
-                sample_rows.append(row)  # logits come one row per chunk: its last token
+            if end == s.num_planned:
+                sample_rows.append(len(kept))  # logits come one row per chunk: its last token
                 samplers.append(chunk.seq_id)
+            kept.append(chunk)
 
-        decode_only = len(ids) == len(plan.chunks)
-        tables = [list(c.block_table) for c in plan.chunks]
+        step = _Launched(samplers)
+        self._inflight.append(step)
+        if not kept:
+            return
+        dev = self.device
+        fixups = [
+            (torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
+             sources[key].token_ids.index_select(0, torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)))
+            for key, (dst, src) in feeds.items()
+        ]
+        decode_only = len(ids) == len(kept)
+        tables = [list(c.block_table) for c in kept]
         logits = None
         if decode_only and self.graphs is not None:
-            logits = self.graphs.run(ids, positions, slots, seq_lens, tables)
+            logits = self.graphs.run(ids, positions, slots, seq_lens, tables, fixups)
         if logits is None:
-            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only)
-        for chunk in plan.chunks:
+            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fixups)
+        for chunk in kept:
             self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
         if not samplers:
-            return []
+            return
         if len(sample_rows) != logits.shape[0]:
-            logits = logits[torch.tensor(sample_rows, device=self.device)]
-        return self._sample(samplers, logits)
+            logits = logits[torch.tensor(sample_rows, device=dev)]
+        seqs = [self._seqs[i] for i in samplers]
+        batch = SamplingBatch(
+            params=tuple(s.params for s in seqs),
+            token_histories=tuple(
+                (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
+                for s in seqs
+            ),
+            seeds=tuple(s.seed for s in seqs),
+            steps=tuple(len(s.output_ids) + len(s.pending) for s in seqs),
+        )
+        step.sampled(self.sampler(logits, batch))
+        for row, s in enumerate(seqs):
+            s.pending.append((step, row))
 
-    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only) -> torch.Tensor:
+    def collect(self) -> list[TokenOutput]:
+        """Wait for the oldest launched step; its ``TokenOutput``s, in plan order."""
+        if not self._inflight:
+            raise RuntimeError("collect() without a launched step")
+        step = self._inflight.popleft()
+        if step.outputs is None:
+            step.outputs = self._complete(step)
+        return step.outputs
+
+    @property
+    def num_inflight(self) -> int:
+        """Launched steps not yet collected."""
+        return len(self._inflight)
+
+    def _complete_all(self) -> None:
+        for step in self._inflight:
+            if step.outputs is None:
+                step.outputs = self._complete(step)
+
+    def _live(self, seq_id: Hashable) -> _Sequence | None:
+        """The sequence a chunk names, or None when it ended (a planner may not know yet)."""
+        s = self._seqs.get(seq_id)
+        if s is None:
+            if seq_id in self._ended:
+                return None
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        return None if s.ended else s
+
+    def _ends_before(self, s: _Sequence) -> bool:
+        """A launched step will end ``s`` by length, so nothing after it may be computed."""
+        if not s.pending:
+            return False
+        outputs = len(s.output_ids) + len(s.pending)
+        return outputs >= s.params.max_tokens or s.num_planned >= self.max_model_len
+
+    def _waits_on_host(self, chunk: ScheduledChunk) -> bool:
+        s = self._seqs.get(chunk.seq_id)
+        return s is not None and bool(s.pending) and s.needs_host_tokens
+
+    def _forget(self, seq_id: Hashable) -> None:
+        del self._seqs[seq_id]
+        self._ended[seq_id] = None
+        while len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+
+    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only, fixups=()) -> torch.Tensor:
         """The forward of any flat batch. Returns logits of each sequence's last row, or of every row when decoding."""
         width = max(len(t) for t in tables)
         dev = self.device
@@ -267,8 +428,11 @@ class Engine:
             decode_only=decode_only,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
         )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        for rows, tokens in fixups:  # ids that launched steps are still sampling
+            input_ids.index_copy_(0, rows, tokens)
         hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
+            input_ids,
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_cache.layers,
             meta,
@@ -293,24 +457,21 @@ class Engine:
         """Capture one more decode graph; False when there is nothing left to capture."""
         return self.graphs is not None and self.graphs.capture_next()
 
-    def _sample(self, seq_ids: list[Hashable], logits: torch.Tensor) -> list[TokenOutput]:
-        seqs = [self._seqs[i] for i in seq_ids]
-        batch = SamplingBatch(
-            params=tuple(s.params for s in seqs),
-            token_histories=tuple(
-                (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
-                for s in seqs
-            ),
-            seeds=tuple(s.seed for s in seqs),
-            steps=tuple(len(s.output_ids) for s in seqs),
-        )
-        result = self.sampler(logits, batch)
-        token_ids = result.token_ids.tolist()
-        chosen_lp = result.logprobs.tolist() if result.logprobs is not None else None
-        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+    def _complete(self, step: "_Launched") -> list[TokenOutput]:
+        """Read a launched step's samples back (the one host sync of a step) and advance its sequences."""
+        if step.result is None:
+            return []
+        token_ids, chosen_lp, top_ids, top_lp = step.read()
         outputs = []
-        for row, (seq_id, s, token) in enumerate(zip(seq_ids, seqs, token_ids)):
+        for row, (seq_id, token) in enumerate(zip(step.seq_ids, token_ids)):
+            s = self._seqs.get(seq_id)
+            if s is None:
+                continue  # removed while its step ran
+            s.pending.popleft()
+            if s.ended:
+                if not s.pending:
+                    self._forget(seq_id)
+                continue  # a step launched before the end was known: its token is dropped
             if s.forced:
                 token = s.forced.pop(0)
             s.output_ids.append(token)
@@ -319,7 +480,9 @@ class Engine:
             top = tuple(zip(top_ids[row][:k], top_lp[row][:k])) if k and top_ids is not None else ()
             reason = self._finish_reason(s, token)
             if reason is not None:
-                del self._seqs[seq_id]
+                s.ended = True
+                if not s.pending:
+                    self._forget(seq_id)
             outputs.append(TokenOutput(
                 seq_id, token,
                 logprob=chosen_lp[row] if k is not None and chosen_lp is not None else None,
@@ -378,34 +541,45 @@ class Engine:
         running: list = []
         results: list[list[TokenOutput]] = [[] for _ in prompts]
         budget = max_prefill_tokens or self.max_model_len
+        launched = 0
         try:
-            while waiting or running:
+            while waiting or running or launched:
+                # Plan the next step while the previous one runs: a sequence that ended
+                # there is still planned once, and the engine drops it.
                 chunks = []
-                for sid in running:
-                    table = allocator.append(sid, self.num_tokens(sid))
-                    chunks.append(ScheduledChunk(sid, 1, table))
-                left = budget
-                while waiting and left > 0 and len(running) < max_batch_size:
-                    sid = waiting[0]
-                    n = min(self.num_uncomputed(sid), left)
-                    done = self._seqs[sid].num_computed + n
-                    if not allocator.can_allocate(sid, done):
-                        break
-                    table = allocator.append(sid, done) if allocator.has(sid) else allocator.allocate(sid, done)
-                    chunks.append(ScheduledChunk(sid, n, table))
-                    left -= n
-                    if done == self.num_tokens(sid):
-                        running.append(waiting.popleft())
-                    else:
-                        break  # a partial prompt fills the budget
-                if not chunks:
+                if launched < 2:
+                    for sid in running:
+                        chunks.append(ScheduledChunk(sid, 1, allocator.append(sid, self._seqs[sid].num_computed + 1)))
+                    left = budget
+                    while waiting and left > 0 and len(running) < max_batch_size:
+                        sid = waiting[0]
+                        n = min(self.num_uncomputed(sid), left)
+                        done = self._seqs[sid].num_computed + n
+                        if not allocator.can_allocate(sid, done):
+                            break
+                        table = allocator.append(sid, done) if allocator.has(sid) else allocator.allocate(sid, done)
+                        chunks.append(ScheduledChunk(sid, n, table))
+                        left -= n
+                        if done == self.num_tokens(sid):
+                            running.append(waiting.popleft())
+                        else:
+                            break  # a partial prompt fills the budget
+                if chunks:
+                    self.launch(StepPlan(tuple(chunks)))
+                    launched += 1
+                    if launched < 2:
+                        continue
+                elif not launched:
                     raise RuntimeError("KV cache too small for the next prompt")
-                for out in self.step(StepPlan(tuple(chunks))):
+                for out in self.collect():
                     results[out.seq_id[1]].append(out)
                     if out.finish_reason is not None:
                         running.remove(out.seq_id)
                         allocator.free(out.seq_id)
+                launched -= 1
         finally:
+            while self._inflight:
+                self.collect()
             for i in range(len(prompts)):
                 self.remove_sequence((base, i))
         return results
