@@ -4,23 +4,24 @@ With the engine in a worker thread, every step's host work (building the
 batch, reading sampled tokens back) competes for one interpreter lock with
 SSE formatting, detokenization and hypercorn; at hundreds of streams the GPU
 waits on Python. Here the child process owns the engine and loops over
-``StepWork`` messages from a pipe; between steps, while nothing waits, it
-captures CUDA graphs. The parent holds an ``EngineProcess``: the few engine
-facts the actors need (tokenizer, vocabulary, context, page pool) and an
-``execute`` for the GPU-runner actor.
+``StepWork`` messages from a pipe, launching step N+1 before it reads back
+step N's tokens; between steps, while nothing waits, it captures CUDA graphs.
+The parent holds an ``EngineProcess``: the few engine facts the actors need
+(tokenizer, vocabulary, context, page pool) and ``run``, its GPU-runner actor.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import time
+from collections import deque
 from typing import Any
 
 import attrs
 import trio
 
-from spark.actors.messages import StepWork
-from spark.engine.engine import TokenOutput
+from spark.actors.messages import StepResult, StepWork
 from spark.engine.page_allocator import PageAllocator
 
 log = logging.getLogger("spark.engine_process")
@@ -42,7 +43,6 @@ class EngineProcess:
         self.max_model_len: int = info["max_model_len"]
         self.num_pages: int = info["num_pages"]
         self.page_size: int = info["page_size"]
-        self._lock = trio.Lock()
 
     @classmethod
     def start(cls, model: str | None, *, graphs_max_batch: int = 0, **load_kwargs) -> "EngineProcess":
@@ -75,17 +75,32 @@ class EngineProcess:
     def new_page_allocator(self) -> PageAllocator:
         return PageAllocator(self.num_pages, self.page_size)
 
-    async def execute(self, work: StepWork) -> list[TokenOutput]:
-        """Run one step in the engine process (the GPU runner's executor)."""
-        async with self._lock:
-            reply = await trio.to_thread.run_sync(self._roundtrip, work)
-        if isinstance(reply, _Failure):
-            raise RuntimeError(reply.message)
-        return reply
+    async def run(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel, *,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The GPU-runner actor for this process: each ``StepWork`` goes down the pipe as soon
+        as it comes, each ``StepResult`` comes back as soon as the step is done.
 
-    def _roundtrip(self, work: StepWork):
-        self._conn.send(work)
-        return self._conn.recv()
+        Sending and receiving are independent, so the engine process finds step N+1
+        waiting when it finishes step N, whatever this event loop is busy with.
+        """
+        async with inbox, outbox, trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_all, inbox)
+            task_status.started()
+            while True:
+                reply = await trio.to_thread.run_sync(self._recv, abandon_on_cancel=True)
+                if reply is None:
+                    raise RuntimeError("the engine process exited")
+                await outbox.send(reply)
+
+    async def _send_all(self, inbox: trio.MemoryReceiveChannel) -> None:
+        async for work in inbox:
+            await trio.to_thread.run_sync(self._conn.send, work)
+
+    def _recv(self) -> StepResult | None:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return None
 
     def unload(self) -> None:
         """Free the model (a profile switch): the process and all its memory go."""
@@ -105,7 +120,7 @@ class EngineProcess:
 
 def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
     """The engine process: load, report, then step and capture until told to stop."""
-    from spark.actors.gpu_runner import apply_work
+    from spark.actors.gpu_runner import register_work
     from spark.engine.engine import Engine
     from spark.engine.errors import ModelLoadError
 
@@ -120,8 +135,15 @@ def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
     conn.send({"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                "num_pages": engine.num_pages, "page_size": engine.page_size})
     capturing = graphs_max_batch > 0 and engine.enable_cuda_graphs(graphs_max_batch)
+    # Steps launched, not yet answered: at most two, so the host prepares step N+1
+    # (and the next plan is on its way) while the device runs step N.
+    inflight: deque[tuple[float, str | None]] = deque()  # (launch time, launch error)
+    last_done = time.perf_counter()
     while True:
-        if capturing and not conn.poll():
+        if inflight and not conn.poll():  # nothing new to launch: finish the oldest
+            last_done = _answer(conn, engine, inflight.popleft(), last_done)
+            continue
+        if capturing and not inflight and not conn.poll():
             try:
                 capturing = engine.capture_next_graph()
             except Exception:
@@ -134,8 +156,30 @@ def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
             return  # the parent is gone
         if work is None:
             return
+        launched = time.perf_counter()
         try:
-            conn.send(apply_work(engine, work))
+            register_work(engine, work)
+            error = None
         except Exception as exc:
             log.exception("engine step failed")
-            conn.send(_Failure(f"engine step failed: {type(exc).__name__}: {exc}"))
+            error = f"engine step failed: {type(exc).__name__}: {exc}"
+        inflight.append((launched, error))
+        while len(inflight) > 1:
+            last_done = _answer(conn, engine, inflight.popleft(), last_done)
+
+
+def _answer(conn, engine, launched: tuple[float, str | None], last_done: float) -> float:
+    """Collect the oldest launched step and send its result; returns when it was done."""
+    started, error = launched
+    outputs = []
+    if error is None:
+        try:
+            outputs = engine.collect()
+        except Exception as exc:
+            log.exception("engine step failed")
+            error = f"engine step failed: {type(exc).__name__}: {exc}"
+    done = time.perf_counter()
+    # The device time of a pipelined step: from when it could start (launched, and the
+    # one before it done) to its end.
+    conn.send(StepResult(tuple(outputs), done - max(started, last_done), error))
+    return done

@@ -22,13 +22,23 @@ Executor = Callable[[StepWork], Awaitable[list[TokenOutput]]]
 
 def apply_work(engine, work: StepWork) -> list[TokenOutput]:
     """Forget ended sequences, reset preempted ones, register new ones, then step."""
+    _register(engine, work)
+    return engine.step(work.plan)
+
+
+def register_work(engine, work: StepWork) -> None:
+    """``apply_work`` that launches the step without waiting for it (collect it with ``engine.collect``)."""
+    _register(engine, work)
+    engine.launch(work.plan)
+
+
+def _register(engine, work: StepWork) -> None:
     for seq_id in work.removed:
         engine.remove_sequence(seq_id)
     for seq_id in work.reset:
         engine.reset_computed(seq_id)
     for seq_id, prompt_ids, params in work.added:
         engine.add_sequence(seq_id, prompt_ids, params)
-    return engine.step(work.plan)
 
 
 def thread_executor(engine) -> Executor:

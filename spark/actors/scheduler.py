@@ -11,7 +11,7 @@ within one step.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import trio
 
@@ -47,40 +47,56 @@ async def run(
     to_streamer: trio.MemorySendChannel,
     metrics: Metrics,
     *,
+    depth: int = 2,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Plan steps and route their tokens until cancelled.
+
+    Up to ``depth`` planned steps are in flight: step N+1 is planned and sent
+    while step N runs, so the runner (and the engine process behind it) has the
+    next step queued the moment it finishes one, however busy this event loop
+    is with HTTP. The policy counts a planned step as done; what only the result
+    can say (an end, the step's time) is accounted when it comes.
+    """
     state = _State(policy)
     metrics.kv_pages_total.set(policy.allocator.num_total)
+    inflight: deque[list] = deque()  # the planned chunks of each step sent, oldest first
     async with admissions, cancels, to_runner, from_runner, to_streamer, trio.open_nursery() as nursery:
         nursery.start_soon(_listen_for_cancels, cancels, state)
         task_status.started()
         while True:
             _apply_cancels(state)
             _update_gauges(state, metrics)
-            await _admit(state, admissions, to_streamer, block=policy.num_active == 0)
+            await _admit(state, admissions, to_streamer, block=policy.num_active == 0 and not inflight)
             _apply_cancels(state)
             metrics.requests_waiting.set(admissions.statistics().current_buffer_used + len(policy.waiting))
-            now = trio.current_time()
-            planned = policy.schedule(now)
-            state.reset.extend(policy.preempted)
-            if not planned:
+            planned = []
+            if len(inflight) < depth:
+                now = trio.current_time()
+                planned = policy.schedule(now)
+                state.reset.extend(policy.preempted)
+                for p in planned:
+                    if p.seq.started == now and p.num_tokens == p.seq.num_computed:  # its first chunk
+                        metrics.queue_time.observe(now - p.seq.arrival)
+            if planned:
+                await to_runner.send(StepWork(
+                    StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned)),
+                    added=tuple(state.added), removed=tuple(state.removed), reset=tuple(state.reset),
+                ))
+                state.added.clear()
+                state.removed.clear()
+                state.reset.clear()
+                inflight.append(planned)
+                metrics.requests_running.set(len(planned))
+                if len(inflight) < depth:
+                    await trio.sleep(0)  # let results, cancels and admissions in before planning ahead
+                    continue
+            elif not inflight:
                 await _unblock(state, to_streamer)
                 _update_gauges(state, metrics)
                 continue
-            for p in planned:
-                if p.seq.started == now and p.seq.num_computed == 0:
-                    metrics.queue_time.observe(now - p.seq.arrival)
-            work = StepWork(
-                StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned)),
-                added=tuple(state.added), removed=tuple(state.removed), reset=tuple(state.reset),
-            )
-            state.added.clear()
-            state.removed.clear()
-            state.reset.clear()
-            metrics.requests_running.set(len(planned))
-            await to_runner.send(work)
             result: StepResult = await from_runner.receive()
-            await _account(state, planned, result, to_streamer)
+            await _account(state, inflight.popleft(), result, to_streamer)
             _update_gauges(state, metrics)
 
 
@@ -148,16 +164,19 @@ async def _account(state: _State, planned, result: StepResult, to_streamer) -> N
     now = trio.current_time()
     if result.error is not None:
         for p in planned:
-            _end(state, p.seq.request_id)
-            await to_streamer.send(Failed(p.seq.request_id, result.error))
+            if p.seq.request_id in state.active:  # (an earlier failed step may have ended it)
+                _end(state, p.seq.request_id)
+                await to_streamer.send(Failed(p.seq.request_id, result.error))
         return
     policy.on_step_done(planned, (o.seq_id for o in result.outputs), now, result.seconds)
-    for out in result.outputs:
+    outputs = tuple(o for o in result.outputs if o.seq_id in state.active)  # not cancelled meanwhile
+    for out in outputs:
         if out.finish_reason is not None:
             # the engine forgot it already; only the pages and our records remain
             policy.finish(out.seq_id)
             state.active.discard(out.seq_id)
-    await to_streamer.send(TokenBatch(result.outputs, now))
+    if outputs:
+        await to_streamer.send(TokenBatch(outputs, now))
 
 
 async def _unblock(state: _State, to_streamer) -> None:

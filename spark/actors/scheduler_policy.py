@@ -40,10 +40,6 @@ class SeqState:
     last_token_time: float | None = None
     started: float | None = None  # when its first prefill chunk was scheduled
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_tokens - self.num_computed == 1 and self.last_token_time is not None
-
 
 @attrs.frozen
 class Scheduled:
@@ -162,22 +158,36 @@ class SchedulerPolicy:
             budget -= n
             if n < left:
                 break  # a partial chunk used the budget or the pages
+        self._count_as_done(plan, now)
         return plan
 
+    def _count_as_done(self, plan: list[Scheduled], now: float) -> None:
+        """Advance each planned sequence as if its step ran, so the next step can be planned at once.
+
+        A chunk that reaches a sequence's last known token samples one more, and a
+        prompt that is fully computed starts decoding. An end (EOS, max_tokens)
+        is learnt from the step's result, one step later: that sequence is
+        planned once more, and the engine drops it.
+        """
+        for p in plan:
+            seq = p.seq
+            seq.num_computed += p.num_tokens
+            if seq.num_computed == seq.num_tokens:
+                seq.num_tokens += 1
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                    self.running.append(seq)
+                    if seq.last_token_time is None:
+                        seq.last_token_time = now  # its deadlines count from its first token, due now
+
     def on_step_done(self, planned: Iterable[Scheduled], sampled: Iterable[str], now: float, seconds: float) -> None:
-        """Account a finished step: computed tokens, sampled tokens, promotions to running."""
+        """Account a finished step: its time (for the cost model) and when its tokens came."""
         planned = list(planned)
         self.cost.observe(sum(p.num_tokens for p in planned), seconds)
         sampled = set(sampled)
         for p in planned:
-            seq = p.seq
-            seq.num_computed += p.num_tokens
-            if seq.request_id in sampled:
-                seq.num_tokens += 1
-                seq.last_token_time = now
-                if seq in self.waiting:
-                    self.waiting.remove(seq)
-                    self.running.append(seq)
+            if p.seq.request_id in sampled:
+                p.seq.last_token_time = now
 
     # -- helpers ----------------------------------------------------------
     def _deadline(self, seq: SeqState) -> float:

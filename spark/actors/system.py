@@ -99,15 +99,18 @@ async def open_system(
     stream_send, stream_recv = trio.open_memory_channel(256)
 
     async with trio.open_nursery() as nursery:
-        capture = None
-        execute = execute or getattr(engine, "execute", None)  # an EngineProcess steps (and captures) itself
-        can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
-        if execute is None and can_capture is not None and can_capture(config.max_batch_size):
-            capture = engine.capture_next_graph
-        await nursery.start(
-            functools.partial(gpu_runner.run, capture_next=capture),
-            execute or gpu_runner.thread_executor(engine), work_recv, results_send,
-        )
+        own_runner = getattr(engine, "run", None)  # an EngineProcess steps (and captures) in its process
+        if execute is None and own_runner is not None:
+            await nursery.start(own_runner, work_recv, results_send)
+        else:
+            capture = None
+            can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
+            if execute is None and can_capture is not None and can_capture(config.max_batch_size):
+                capture = engine.capture_next_graph
+            await nursery.start(
+                functools.partial(gpu_runner.run, capture_next=capture),
+                execute or gpu_runner.thread_executor(engine), work_recv, results_send,
+            )
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
         await nursery.start(
             scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics

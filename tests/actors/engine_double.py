@@ -99,6 +99,7 @@ class EngineDouble:
         self.steps = 0  # steps computed (not counting failed ones)
         self.step_tokens: list[int] = []  # tokens computed per step
         self.sequences: dict[Hashable, _Sequence] = {}
+        self.ended: set[Hashable] = set()  # finished or removed: a pipelined plan may still name them
         self._page_owner: dict[int, Hashable] = {}  # page -> the sequence that last wrote it
 
     def new_page_allocator(self) -> PageAllocator:
@@ -118,9 +119,12 @@ class EngineDouble:
         self.sequences[seq_id] = _Sequence(list(prompt_ids), params)
 
     def remove_sequence(self, seq_id: Hashable) -> None:
-        self.sequences.pop(seq_id, None)
+        if self.sequences.pop(seq_id, None) is not None:
+            self.ended.add(seq_id)
 
     def reset_computed(self, seq_id: Hashable) -> None:
+        if seq_id in self.ended:
+            return  # it ended at the step before this one was planned
         s = self.sequences[seq_id]
         s.num_computed, s.table = 0, ()
 
@@ -133,7 +137,12 @@ class EngineDouble:
 
     # -- the step ---------------------------------------------------------
     def step(self, plan: StepPlan) -> list[TokenOutput]:
-        """Validate ``plan`` like the real engine, "compute" it, sample for sequences that caught up."""
+        """Validate ``plan`` like the real engine, "compute" it, sample for sequences that caught up.
+
+        Like the real engine, chunks of sequences that ended are dropped (a pipelined
+        scheduler plans the next step before it learns of an end).
+        """
+        plan = StepPlan(tuple(c for c in plan.chunks if c.seq_id in self.sequences or c.seq_id not in self.ended))
         if not plan.chunks:
             return []
         if self.fail_if is not None and self.fail_if(plan):
@@ -202,6 +211,7 @@ class EngineDouble:
             reason = "length"  # the script ran out
         if reason is not None:
             del self.sequences[seq_id]  # the real engine forgets finished sequences
+            self.ended.add(seq_id)
         k = s.params.logprobs
         return TokenOutput(
             seq_id, token,

@@ -16,12 +16,25 @@ PROMPTS = [(1, 2, 3, 4, 5), tuple(range(7, 40)), (9,)]
 
 
 async def _texts(engine) -> list[tuple[int, ...]]:
+    """Each prompt alone, then all at once (several steps in flight, prefill chunks beside decodes)."""
     out = []
     async with open_system(engine, ServeConfig(max_prefill_tokens=8)) as system:
-        for i, prompt in enumerate(PROMPTS):
-            request = GenerateRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+
+        async def one(i: int, prompt, results: dict, tag: str) -> None:
+            request = GenerateRequest(f"r{i}-{tag}", prompt,
+                                      SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True))
             async with system.submit(request) as stream:
-                out.append(tuple(t for piece in [p async for p in stream] for t in piece.token_ids))
+                results[i] = tuple(t for piece in [p async for p in stream] for t in piece.token_ids)
+
+        for i, prompt in enumerate(PROMPTS):
+            alone: dict = {}
+            await one(i, prompt, alone, "alone")
+            out.append(alone[i])
+        together: dict = {}
+        async with trio.open_nursery() as nursery:
+            for i, prompt in enumerate(PROMPTS):
+                nursery.start_soon(one, i, prompt, together, "together")
+        out.extend(together[i] for i in range(len(PROMPTS)))
     return out
 
 

@@ -84,9 +84,9 @@ def test_long_prompt_is_chunked_at_max_prefill_tokens():
     add(policy, engine, "long", 1000, max_tokens=2)
     chunks = []
 
-    def record(planned, _):
+    def record(planned, running_before):
         assert [p.seq.request_id for p in planned][:1] == ["decoder"]  # the stream keeps decoding
-        chunks.extend(p.num_tokens for p in planned if p.seq.request_id == "long" and p.seq not in policy.running)
+        chunks.extend(p.num_tokens for p in planned if p.seq.request_id == "long" and "long" not in running_before)
 
     drive(policy, engine, on_plan=record, until=lambda: "long" not in {s.request_id for s in policy.waiting})
     assert chunks == [256, 256, 256, 232]
@@ -287,3 +287,48 @@ def test_cost_model_says_nothing_until_the_data_can_tell():
     assert model.fit() is None
     model.observe(100, 0.001)  # more tokens, less time: no positive slope
     assert model.fit() is None
+
+
+# -- pipelined planning ------------------------------------------------------------
+
+@pytest.mark.parametrize("policy_name", ["fifo", "slai"])
+def test_planning_a_step_ahead_finishes_every_request_with_its_tokens(policy_name):
+    """Plan step N+1 before N's result is accounted (as the actor does), on a pool small
+    enough to preempt: the double checks every plan's pages, and the tokens come out as
+    if each request ran alone."""
+    from collections import deque
+
+    from tests.actors.engine_double import hashed_token
+
+    rng = random.Random(3)
+    policy, engine = make(policy_name, num_pages=64, page_size=4, max_batch_size=8, max_prefill_tokens=32)
+    specs = {f"r{i}": (rng.randint(1, 40), rng.randint(1, 20)) for i in range(30)}
+    queue = deque(specs.items())
+    outputs, inflight, now, preempted = {}, deque(), 0.0, 0
+    for _ in range(5000):
+        while queue and policy.has_room():  # admitted as the actor admits: while the batch has room
+            rid, (n, m) = queue.popleft()
+            add(policy, engine, rid, n, max_tokens=m, arrival=now)
+        if not (policy.num_active or inflight):
+            break
+        if len(inflight) < 2:
+            planned = policy.schedule(now)
+            preempted += len(policy.preempted)
+            for request_id in policy.preempted:
+                engine.reset_computed(request_id)
+            if planned:
+                plan = StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned))
+                inflight.append((planned, engine.step(plan)))
+                if len(inflight) < 2:
+                    continue
+        planned, step = inflight.popleft()
+        seconds = A + B * sum(p.num_tokens for p in planned)
+        now += seconds
+        policy.on_step_done(planned, (o.seq_id for o in step), now, seconds)
+        for out in step:
+            outputs.setdefault(out.seq_id, []).append(out.token_id)
+            if out.finish_reason is not None:
+                assert policy.finish(out.seq_id)
+    assert preempted > 0  # the pool was small enough to exercise recompute under pipelining
+    assert policy.allocator.num_used == 0
+    assert outputs == {rid: [hashed_token(rid, n + k, 1000) for k in range(m)] for rid, (n, m) in specs.items()}
