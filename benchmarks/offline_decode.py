@@ -1,6 +1,6 @@
 """Offline decode speed against the memory-bandwidth roofline, beside HF transformers.
 
-    python benchmarks/offline_decode.py [--quick] [--no-hf] [--out FILE]
+    python benchmarks/offline_decode.py [--quick] [--no-hf] [--hf-models P1,P2] [--out FILE]
 
 Dummy (random, never zero) bf16 weights of real shapes; 128-token random
 prompts, 128 new tokens, greedy, no EOS stop. Spark's decode rate is timed over
@@ -113,6 +113,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one rep, fewer batches")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-models", default=None, help="comma list of presets to run transformers on (default: all)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="the commit measured (when the tree has no .git)")
@@ -139,7 +140,7 @@ def main() -> int:
         config = engine.config
         del engine
         torch.cuda.empty_cache()
-        if not args.no_hf:
+        if not args.no_hf and (args.hf_models is None or preset in args.hf_models.split(",")):
             for r in results:
                 if r["model"] == preset:
                     hf = hf_decode(config, r["batch"], 16 if preset == "llama-3.1-8b" and r["batch"] == 1 else NEW)
