@@ -98,7 +98,9 @@ def hf_decode(preset_config, batch: int, new_tokens: int) -> float | None:
         model = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
     ids = torch.randint(0, c.vocab_size, (batch, PROMPT), device="cuda")
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
-    model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    # Warm up with the very same call: transformers compiles the static-cache forward for
+    # the cache's length, so a shorter warm-up would leave a recompile inside the timing.
+    model.generate(ids, **kwargs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     model.generate(ids, **kwargs)
