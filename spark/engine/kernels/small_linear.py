@@ -1,0 +1,289 @@
+"""`y = pro(x) @ weight.T (+ residual)` for a few rows (decode, M <= 16): torch reference and Triton.
+
+At batch 1-8 a linear layer is a pass over its weight: reading W is the whole cost,
+so the kernel streams W once with wide loads along K, spread over enough programs
+to keep every SM's loads in flight, and folds in the small ops around the matmul
+that would otherwise be kernels of their own, each a launch and a round trip of
+the activations through memory:
+
+- prologue `norm_weight`: `pro(x) = RMSNorm(x) * norm_weight` (the attention or MLP norm);
+- prologue `gated`: `pro(x) = silu(x[:, :I]) * x[:, I:]` (SwiGLU before the down projection);
+- epilogue `residual`: `y = linear(...) + residual`.
+
+Rounding follows the unfused ops, so either can stand in for the other: the norm
+normalises in fp32, rounds to x's dtype, then multiplies by the weight and rounds
+(as `norm.rms_norm_reference`); the gate computes in fp32 and rounds once (as
+`activation.silu_and_mul_reference`); the product accumulates in fp32 and rounds
+to x's dtype before the residual is added in that dtype (as eager `h = x + linear(...)`).
+Every program writes its own outputs, with no atomics: results are deterministic.
+"""
+
+import functools
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+# Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
+# compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
+# that only ever calls the reference may not have triton at all.
+triton = None
+tl = None
+
+MAX_ROWS = 16
+_PLAIN, _NORM, _GATED = 0, 1, 2
+
+
+@attrs.frozen
+class Config:
+    """How one launch tiles the problem.
+
+    Attributes:
+      block_n: weight rows (outputs) per program; the grid is `cdiv(N, block_n)` programs.
+      block_k: columns loaded per step along K, contiguous in the weight's rows.
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the K loop.
+      use_dot: tensor-core `tl.dot` with the rows padded to 16, instead of a multiply
+        and a reduction over K in registers.
+      defer_reduce: without `use_dot`, keep per-lane partial sums `[M, block_n, block_k]`
+        and reduce them across K once after the loop, instead of after every step.
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False
+    defer_reduce: bool = True
+
+
+def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False) -> Config:
+    """The launch shape for `m` rows of a `[n, k]` bf16 weight with the given prologue,
+    the fastest of a sweep on an H200 (benchmarks/small_linear_bench.py) for Llama-3.1-8B
+    and SmolLM2-135M shapes.
+
+    One or two rows: multiply and reduce in registers, a few weight rows per program and
+    long runs along K, so that thousands of programs each keep 16-byte loads in flight.
+    More rows: the tensor cores, whose weight loads Triton pipelines through shared
+    memory; the FMA path would spend more time on arithmetic than on loads. The dot path
+    pays for prologues (each warp recomputes the whole padded 16-row tile), so a gated
+    prologue stays on the FMA path up to 4 rows.
+    """
+    wide = n >= 16384  # vocabulary projections, Llama's w13: many programs already
+    small = Config(8, 512)
+    long_runs = Config(4, 2048, defer_reduce=False)
+    dot = Config(32, 256, num_warps=4, num_stages=4, use_dot=True)
+    wide_dot = Config(32, 128, num_warps=2, num_stages=5, use_dot=True)
+    if k >= 2048:
+        if m == 1:
+            if norm:
+                return Config(8, 1024, defer_reduce=False)
+            return long_runs if gated or n * k * 2 >= 96 << 20 else small
+        if m == 2 and (norm or gated):
+            return long_runs if norm else small
+        if m <= 4:
+            return Config(4, 512) if gated else dot
+        return wide_dot if wide or gated else dot
+    # SmolLM-sized K: a row in one or two steps.
+    block_k = triton_next_power_of_2(k)
+    if m == 1:
+        return Config(8 if wide else 4, block_k, defer_reduce=block_k <= 1024 and not wide)
+    if m == 2 and not wide:
+        return Config(4, block_k, defer_reduce=False)
+    if m <= 4 and not wide and n < 2048:
+        return Config(4, 512) if k > 1024 else Config(4, min(block_k, 1024), defer_reduce=False)
+    if m <= 4:
+        return dot
+    if wide:
+        return wide_dot
+    return Config(16, 128, num_warps=4, num_stages=6, use_dot=True) if -(-n // 32) < 132 else dot
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` without importing triton (the reference path needs none)."""
+    return 1 << (n - 1).bit_length()
+
+
+def small_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`pro(x) @ weight.T (+ residual)` (torch reference).
+
+    Args:
+      x: `[M, K]`, or `[M, 2K]` when `gated` (gate columns first).
+      weight: `[N, K]`, an `nn.Linear` weight, x's dtype.
+      norm_weight: `[K]`; when given, `pro(x) = rms_norm(x) * norm_weight`.
+      eps: added to the mean square before the rsqrt.
+      gated: `pro(x) = silu(x[:, :K]) * x[:, K:]`, computed in fp32 and rounded once.
+      residual: `[M, N]`, x's dtype, added to the rounded product.
+
+    Returns:
+      `[M, N]` in x's dtype; the product accumulates in fp32 and is rounded once.
+    """
+    assert norm_weight is None or not gated, "one prologue at a time"
+    if norm_weight is not None:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x = (norm_weight * normed).to(x.dtype)
+    elif gated:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (F.silu(gate) * up).to(x.dtype)
+    y = F.linear(x.float(), weight.float()).to(x.dtype)
+    return y if residual is None else y + residual
+
+
+def small_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """`pro(x) @ weight.T (+ residual)` in one kernel (Triton); arguments as `small_linear_reference`.
+
+    Allocates only its `[M, N]` output, never synchronises: CUDA-graph capturable
+    once the shape has been compiled by an earlier call.
+
+    Args:
+      x: `[M, K]` (`[M, 2K]` when `gated`), M <= 16, rows may be strided.
+      weight: `[N, K]`, x's dtype, contiguous along K.
+      norm_weight, eps, gated, residual: see `small_linear_reference`.
+      config: launch shape; `default_config(M, N, K, norm=..., gated=...)` when None.
+
+    Returns:
+      `[M, N]` contiguous, in x's dtype.
+    """
+    assert norm_weight is None or not gated, "one prologue at a time"
+    assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == x.dtype
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert m <= MAX_ROWS, f"{m} rows: this kernel is for decode batches of at most {MAX_ROWS}"
+    assert x.shape[1] == (2 * k if gated else k)
+    assert weight.stride(1) == 1, "weight rows must be contiguous along K"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
+    cfg = config or default_config(m, n, k, norm=norm_weight is not None, gated=gated)
+    kernel = _kernel()
+    block_m = 16 if cfg.use_dot else triton_next_power_of_2(m)
+    # Without a norm or a residual the kernel never touches those pointers; x fills them.
+    kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
+        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+        K=k,
+        PROLOGUE=_NORM if norm_weight is not None else _GATED if gated else _PLAIN,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
+        # The norm's statistics pass unrolled (its loads all in flight at once) while the
+        # rows fit in registers: about 64 fp32 values per thread.
+        UNROLL_STATS=block_m * k <= 64 * 32 * cfg.num_warps,
+        # A float32 dot would default to tf32 on the tensor cores; keep it exact.
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@functools.cache
+def _kernel():
+    """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
+    read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def small_linear_kernel(
+        x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr,
+        M, N, stride_xm, stride_xk, stride_wn, stride_rm, eps,
+        # K is a compile-time constant: a model has a handful of them, the K loop gets a
+        # static trip count (pipelined, and a plain `range` the interpreter can run).
+        K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, UNROLL_STATS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        dtype = out_ptr.dtype.element_ty
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        # The last program's spare outputs re-read weight row N - 1 instead of masking:
+        # the weight loads, the whole cost, stay unmasked and 16 bytes wide.
+        w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+        ks = tl.arange(0, BLOCK_K)
+
+        if PROLOGUE == 1:
+            # Each program computes the rows' rms itself: x is a few KB, read from L2,
+            # cheaper than a launch that would share it. Per-lane sums, reduced once; and
+            # unrolled where registers allow, so that all its loads are in flight
+            # together: one L2 round trip before the weight stream starts, not one per step.
+            sum_sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            if UNROLL_STATS:
+                for k0 in tl.static_range(0, K, BLOCK_K):
+                    k = k0 + ks
+                    xk = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+                    sum_sq += xk.to(tl.float32) * xk.to(tl.float32)
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    k = k0 + ks
+                    xk = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+                    sum_sq += xk.to(tl.float32) * xk.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)
+
+        if USE_DOT or not DEFER_REDUCE:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:
+            # Per-lane partial sums, reduced across K once after the loop: the loop body
+            # is loads and FMAs only, no shuffles or shared-memory round trips per step.
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            x_mask = row_ok[:, None] & (k < K)[None, :]
+            # Prologue in fp32 (the interpreter mishandles bf16 arithmetic), rounded to
+            # x's dtype where the unfused ops round. Masked lanes load 0 and give 0.
+            if PROLOGUE == 2:
+                gate = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+                up = tl.load(x_rows + (k + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+                a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+            else:
+                a = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0)
+                if PROLOGUE == 1:
+                    g = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                    normed = (a.to(tl.float32) * rstd[:, None]).to(dtype)
+                    a = (normed.to(tl.float32) * g[None, :]).to(dtype)
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :])  # [BN, BK]
+            else:
+                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+            if USE_DOT:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            elif DEFER_REDUCE:
+                acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+            else:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if not USE_DOT and DEFER_REDUCE:
+            acc = tl.sum(acc, axis=2)
+
+        y = acc.to(dtype)
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y, mask=out_mask)
+
+    return small_linear_kernel

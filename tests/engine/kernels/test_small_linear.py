@@ -1,0 +1,101 @@
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from spark.engine.kernels import small_linear as sl
+from tests.engine.kernels.conftest import assert_bf16_nearly_exact
+
+
+@pytest.fixture(autouse=True)
+def exact_bf16_in_interpreter(bf16_rounds_to_nearest, monkeypatch):
+    """Round bf16 casts to nearest (conftest) and make the interpreter's bf16 `tl.dot` multiply numbers.
+
+    Triton 3.6's interpreter hands bf16 operands to numpy as their raw uint16 bits, so
+    a bf16 dot comes out as a product of integers; the GPU multiplies bf16 values exactly
+    and accumulates in fp32, which widening the bits to fp32 reproduces.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def as_float(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32)
+        return h.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        product = np.matmul(as_float(a), as_float(b), dtype=d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def make_inputs(m, n, k, dtype, *, prologue, residual, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k if prologue == "gated" else k, generator=g).to(dtype)
+    if prologue == "norm":
+        x = x * 3.0 + 0.5  # an rms far from 1, so that a missing normalisation shows
+    kwargs = {
+        "norm_weight": (torch.rand(k, generator=g) + 0.5).to(dtype) if prologue == "norm" else None,
+        "gated": prologue == "gated",
+        "residual": torch.randn(m, n, generator=g).to(dtype) if residual else None,
+    }
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    return x, weight, kwargs
+
+
+def assert_matches(actual, expected):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if actual.dtype == torch.bfloat16:
+        assert_bf16_nearly_exact(actual, expected, min_exact=0.97)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["deferred", "each_step", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+@pytest.mark.parametrize("prologue", ["plain", "norm", "gated"])
+def test_matches_reference(prologue, residual, dtype, path):
+    # K and N off the block sizes: a tail step along K and a partial last program along N.
+    cases = {"plain": (3, 100, 200), "norm": (8, 48, 136), "gated": (5, 72, 96)}
+    m, n, k = cases[prologue]
+    x, weight, kwargs = make_inputs(m, n, k, dtype, prologue=prologue, residual=residual)
+    config = sl.Config(block_n=16, block_k=64, use_dot=path == "dot", defer_reduce=path == "deferred")
+    assert_matches(sl.small_linear_triton(x, weight, config=config, **kwargs), sl.small_linear_reference(x, weight, **kwargs))
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+def test_every_batch_size_with_default_config(m):
+    """Every M of a decode batch, through the launch shape the model would get (both kernel paths)."""
+    x, weight, kwargs = make_inputs(m, 56, 384, torch.bfloat16, prologue="norm", residual=True, seed=m)
+    expected = sl.small_linear_reference(x, weight, **kwargs)
+    assert_matches(sl.small_linear_triton(x, weight, **kwargs), expected)
+
+
+def test_strided_input_rows():
+    # x as a column slice of a wider buffer, the way a fused projection's output is split.
+    x_wide, weight, kwargs = make_inputs(4, 64, 96, torch.bfloat16, prologue="gated", residual=False)
+    x = torch.cat((x_wide, torch.randn(4, 40).to(torch.bfloat16)), dim=1)[:, : x_wide.shape[1]]
+    assert not x.is_contiguous()
+    expected = sl.small_linear_reference(x_wide, weight, **kwargs)
+    assert_matches(sl.small_linear_triton(x, weight, config=sl.Config(block_n=8, block_k=32), **kwargs), expected)
+
+
+def test_prologues_change_the_result():
+    """Guards the test above against a reference that ignores its prologue arguments."""
+    x, weight, kwargs = make_inputs(2, 32, 64, torch.float32, prologue="norm", residual=False)
+    plain = sl.small_linear_reference(x, weight)
+    assert not torch.allclose(plain, sl.small_linear_reference(x, weight, **kwargs), atol=1e-2)
+    gate_up = torch.cat((x, x), dim=1)
+    assert not torch.allclose(plain, sl.small_linear_reference(gate_up, weight, gated=True), atol=1e-2)
+
+
+def test_default_config_fills_the_gpu():
+    # Llama-3.1-8B's wo at batch 1: at least 2 programs for each of an H200's 132 SMs.
+    cfg = sl.default_config(1, 4096, 4096)
+    assert -(-4096 // cfg.block_n) >= 2 * 132 and not cfg.use_dot
+    assert sl.default_config(8, 4096, 4096).use_dot
