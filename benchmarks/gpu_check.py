@@ -169,11 +169,12 @@ def check_gpu_vs_cpu(rows: list) -> None:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cpu.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    a = [[o.token_id for o in r] for r in cpu.generate(prompts, params)]
-    b = [[o.token_id for o in r] for r in gpu.generate(prompts, params)]
-    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    rows.append({"check": "gpu_vs_cpu_fp32_greedy", "model": "smollm2-135m (dummy, fp32)", "tokens_equal": f"{same}/{32 * len(prompts)}",
-                 "ok": same == 32 * len(prompts)})
+    for group in (prompts, prompts[1:2]):  # a batch of 4, then batch 1 (the fused small-row path)
+        a = [[o.token_id for o in r] for r in cpu.generate(group, params)]
+        b = [[o.token_id for o in r] for r in gpu.generate(group, params)]
+        same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+        rows.append({"check": "gpu_vs_cpu_fp32_greedy", "model": "smollm2-135m (dummy, fp32)", "batch": len(group),
+                     "tokens_equal": f"{same}/{32 * len(group)}", "ok": same == 32 * len(group)})
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from torch import nn
 
 from spark.engine.attention import AttentionMetadata, paged_attention
 from spark.engine.config import ModelConfig
-from spark.engine.kernels import activation, norm as norm_kernels, rope as rope_kernels
+from spark.engine.kernels import activation, norm as norm_kernels, rope as rope_kernels, small_linear
 
 
 class RMSNorm(nn.Module):
@@ -88,15 +88,19 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, D]; rope: (cos, sin) [T, Dh/2] on the CPU, (positions, inv_freq) on a GPU
-        T = x.shape[0]
+        return self.wo(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta))
+
+    def attend(self, qkv, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of projected ``qkv`` [T, q + 2 kv] over the cache (this step's K/V written). Returns [T, q]."""
+        T = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if x.is_cuda:
+        if qkv.is_cuda:
             # One launch rotates q and k and writes k, v into the cache; attention then
             # only reads the cache. Decode at small batch is bound by kernel launches.
             positions, inv_freq = rope
@@ -106,7 +110,7 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
-        return self.wo(out.reshape(T, q_size))
+        return out.reshape(T, q_size)
 
 
 class FeedForward(nn.Module):
@@ -146,6 +150,22 @@ class Block(nn.Module):
         h, residual = self.ffn_norm.add_forward(attn, residual)
         return self.feed_forward(h), residual
 
+    def forward_one_row(self, h, rope, k_cache, v_cache, meta) -> torch.Tensor:
+        """The block for one token on a GPU: h is the residual stream [1, D]; returns the next.
+
+        Four launches of the small-batch linear kernel replace the two norms, the gate
+        and the four matmuls: each norm, the gate and each residual add ride along with
+        the projection next to them (see ``kernels/small_linear.py``).
+        """
+        attention, ffn = self.attention, self.feed_forward
+        qkv = small_linear.small_linear_triton(
+            h, attention.wqkv.weight, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
+        h = small_linear.small_linear_triton(
+            attention.attend(qkv, rope, k_cache, v_cache, meta), attention.wo.weight, residual=h)
+        gate_up = small_linear.small_linear_triton(
+            h, ffn.w13.weight, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps)
+        return small_linear.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
+
 
 class LlamaModel(nn.Module):
     """The decoder. ``forward`` returns hidden states; ``compute_logits`` the vocab scores."""
@@ -172,6 +192,11 @@ class LlamaModel(nn.Module):
             freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh // 2]
             rope = (freqs.cos(), freqs.sin())
         x, residual = self.tok_embeddings(input_ids), None  # [T, D]
+        if input_ids.is_cuda and input_ids.shape[0] == 1 and not self.config.attention_bias:
+            # Batch-1 decode reads every weight for one row: the fused small-row path.
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x = layer.forward_one_row(x, rope, k_cache, v_cache, meta)
+            return self.norm(x)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, k_cache, v_cache, meta)
         return self.norm.add_forward(x, residual)[0]
