@@ -1,0 +1,106 @@
+"""Where a decode step's GPU time goes: the kernels of eager decode steps, by total time.
+
+    python benchmarks/profile_decode.py [--model dummy:llama-3.1-8b] [--batch 1 64] [--context 192]
+
+Dummy bf16 weights; each batch prefills ``--context`` tokens per sequence, then
+profiles 5 eager decode steps (no CUDA graph, so every kernel is seen by name).
+For each batch: kernel time per step by kernel family, and the bandwidth the
+big matmuls reach (weight bytes / their time) against 4.25 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+import torch
+
+BANDWIDTH = 4.25e12
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    for key, label in (("gemv", "matmul"), ("gemm", "matmul"), ("sm90", "matmul"), ("cutlass", "matmul"),
+                       ("splitk", "matmul"), ("decode_kernel", "attention"), ("reduce_kernel", "attention"),
+                       ("prefill", "attention"), ("rope", "rope+kv"), ("write_kv", "rope+kv"), ("rms", "norm"),
+                       ("silu", "silu_mul"), ("argmax", "sampling"), ("copy", "copies"), ("index", "copies")):
+        if key in n:
+            return label
+    return "other"
+
+
+def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from spark.engine.engine import Engine, ScheduledChunk, StepPlan
+    from spark.engine.sampling import SamplingParams
+
+    engine = Engine.load(model, device="cuda", progress=False, max_model_len=context + 64,
+                         kv_cache_bytes=2 * batch * (context + 64) * engine_kv_bytes(model))
+    # Bytes a decode step reads: every weight, except the embedding table when it is not the output too.
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
+                       if engine.config.tie_word_embeddings or not name.startswith("tok_embeddings"))
+    alloc = engine.new_page_allocator()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = [("p", i) for i in range(batch)]
+    for sid in ids:
+        engine.add_sequence(sid, torch.randint(0, engine.vocab_size, (context,), generator=gen).tolist(), params)
+        engine.step(StepPlan((ScheduledChunk(sid, context, alloc.allocate(sid, context)),)))
+
+    def decode() -> None:
+        engine.step(StepPlan(tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in ids)))
+
+    decode()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decode()
+        torch.cuda.synchronize()
+    per_family: dict[str, float] = collections.defaultdict(float)
+    count = 0
+    for evt in prof.key_averages():
+        us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+        if us <= 0:
+            continue
+        per_family[family(evt.key)] += us / steps
+        count += evt.count
+    total = sum(per_family.values())
+    matmul_us = per_family.get("matmul", 0.0)
+    return {
+        "model": model, "batch": batch, "context": context, "kernels_per_step": round(count / steps, 1),
+        "gpu_us_per_step": round(total, 1),
+        "us_per_step_by_family": {k: round(v, 1) for k, v in sorted(per_family.items(), key=lambda kv: -kv[1])},
+        "matmul_bandwidth_frac": round(weight_bytes / (matmul_us * 1e-6) / BANDWIDTH, 3) if matmul_us else None,
+        "floor_us": round(weight_bytes / BANDWIDTH * 1e6, 1),
+    }
+
+
+def engine_kv_bytes(model: str) -> int:
+    from spark.engine.weights import resolve_model
+
+    return resolve_model(model).config.kv_bytes_per_token(2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for b in args.batch:
+        rows.append(profile(args.model, b, args.context))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
