@@ -27,12 +27,19 @@ class SubmitError(Exception):
 
 
 class RequestStream:
-    """The pieces of one request. ``async with`` it; leaving before the end cancels the request."""
+    """The pieces of one request. ``async with`` it; leaving before the end cancels the request.
+
+    A reader slower than the engine finds several pieces waiting; it gets them as one
+    merged piece (``RequestOutput.merge``), so it formats and sends one chunk, not one
+    per token. An error piece is never merged: the text before it comes first, as it
+    would have one token at a time.
+    """
 
     def __init__(self, request_id: str, pieces: trio.MemoryReceiveChannel, cancels: trio.MemorySendChannel):
         self.request_id = request_id
         self._pieces = pieces
         self._cancels = cancels
+        self._error: RequestOutput | None = None  # an error piece drained early: the next one returned
         self.finished = False
 
     async def __aenter__(self) -> "RequestStream":
@@ -59,14 +66,28 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
+        if self._error is not None:
+            await trio.lowlevel.checkpoint()
+            piece, self._error, self.finished = self._error, None, True
+            return piece
         try:
             piece: RequestOutput = await self._pieces.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self.finished = True
             raise StopAsyncIteration from None
-        if piece.finish_reason is not None:
+        pieces = [piece]
+        while piece.finish_reason is None:  # take what else is waiting, up to the last piece
+            try:
+                piece = self._pieces.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if piece.finish_reason == "error":
+                self._error = piece
+                break
+            pieces.append(piece)
+        if pieces[-1].finish_reason is not None:
             self.finished = True
-        return piece
+        return RequestOutput.merge(pieces)
 
 
 class Ingress:

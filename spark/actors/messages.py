@@ -10,6 +10,8 @@ Every message is a frozen attrs value with plain fields. The flow (wired in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
 from typing import Hashable
 
 import attrs
@@ -53,6 +55,29 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, this piece included
     error: str | None = None  # why the request failed, when finish_reason == "error"
+
+    @classmethod
+    def merge(cls, pieces: Sequence[RequestOutput]) -> RequestOutput:
+        """One piece that says what consecutive ``pieces`` of one request say, in order.
+
+        Texts, token ids and logprobs are joined; how it ended (finish reason, stop string,
+        error) and the output count come from the last piece.
+
+        Args:
+            pieces: at least one, oldest first; only the last may have a finish reason.
+
+        Returns:
+            The merged piece (``pieces[0]`` itself when there is one).
+        """
+        if len(pieces) == 1:
+            return pieces[0]
+        last = pieces[-1]
+        return cls(
+            last.request_id, "".join([p.text for p in pieces]), tuple(chain.from_iterable(p.token_ids for p in pieces)),
+            tuple(chain.from_iterable(p.logprobs for p in pieces)), finish_reason=last.finish_reason,
+            stop_string=last.stop_string, num_prompt_tokens=max(p.num_prompt_tokens for p in pieces),
+            num_output_tokens=last.num_output_tokens, error=last.error,
+        )
 
 
 # -- between actors -----------------------------------------------------------

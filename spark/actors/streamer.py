@@ -77,31 +77,56 @@ async def run(
     streams: dict[str, _Stream] = {}
     async with inbox, cancels:
         task_status.started()
-        async for msg in inbox:
-            if isinstance(msg, StreamOpen):
-                req = msg.submission.request
-                detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
-                streams[req.request_id] = _Stream(msg.submission, detok, StopMatcher(req.stop))
-            elif isinstance(msg, TokenBatch):
-                for out in msg.outputs:
-                    stream = streams.get(out.seq_id)
-                    if stream is None:
-                        continue  # ended here already (stop string): the scheduler is dropping it
-                    if _on_token(stream, out, msg.time, tokenizer, metrics):
-                        del streams[out.seq_id]
-                        if out.finish_reason is None:  # a stop string ended it, not the engine
-                            await cancels.send(Cancel(out.seq_id))
-            elif isinstance(msg, Failed):
-                stream = streams.pop(msg.request_id, None)
-                if stream is not None:
-                    text = ""
-                    if msg.reason == "length" and stream.detok:  # a normal end: release held text
-                        text = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush()
-                    _send(stream, RequestOutput(
-                        msg.request_id, text, (), finish_reason=msg.reason,
-                        error=msg.error if msg.reason == "error" else None,
-                        num_prompt_tokens=len(stream.submission.request.prompt_ids), num_output_tokens=stream.num_output,
-                    ), close=True)
+        while True:
+            try:
+                messages = [await inbox.receive()]
+            except trio.EndOfChannel:
+                return
+            # Whatever else is waiting goes in the same turn: when the engine is ahead of the
+            # event loop a stream then gets its tokens back to back, and its reader takes
+            # them as one piece (``RequestStream``) instead of one per step.
+            while True:
+                try:
+                    messages.append(inbox.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            for msg in messages:
+                if isinstance(msg, TokenBatch):
+                    await _on_batch(streams, msg, tokenizer, cancels, metrics)
+                elif isinstance(msg, StreamOpen):
+                    req = msg.submission.request
+                    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids,
+                                                   skip_special_tokens=req.skip_special_tokens) if tokenizer else None
+                    streams[req.request_id] = _Stream(msg.submission, detok, StopMatcher(req.stop))
+                elif isinstance(msg, Failed):
+                    _on_failed(streams, msg)
+
+
+async def _on_batch(streams: dict[str, _Stream], batch: TokenBatch, tokenizer, cancels, metrics: Metrics) -> None:
+    seen = 0
+    for out in batch.outputs:
+        stream = streams.get(out.seq_id)
+        if stream is None:
+            continue  # ended here already (stop string): the scheduler is dropping it
+        seen += 1
+        if _on_token(stream, out, batch.time, tokenizer, metrics):
+            del streams[out.seq_id]
+            if out.finish_reason is None:  # a stop string ended it, not the engine
+                await cancels.send(Cancel(out.seq_id))
+    metrics.generation_tokens.inc(seen)  # once per step, not per token
+
+
+def _on_failed(streams: dict[str, _Stream], msg: Failed) -> None:
+    stream = streams.pop(msg.request_id, None)
+    if stream is not None:
+        text = ""
+        if msg.reason == "length" and stream.detok:  # a normal end: release held text
+            text = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush()
+        _send(stream, RequestOutput(
+            msg.request_id, text, (), finish_reason=msg.reason,
+            error=msg.error if msg.reason == "error" else None,
+            num_prompt_tokens=len(stream.submission.request.prompt_ids), num_output_tokens=stream.num_output,
+        ), close=True)
 
 
 def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics: Metrics) -> bool:
@@ -109,7 +134,6 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     sub = stream.submission
     req = sub.request
     stream.num_output += 1
-    metrics.generation_tokens.inc()
     if stream.last_time is None:
         metrics.time_to_first_token.observe(now - sub.arrival)
     else:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import trio
+import trio.testing
 
 from spark.actors import streamer
 from spark.actors.messages import Cancel, Failed, GenerateRequest, StreamOpen, Submission, TokenBatch
@@ -204,4 +205,21 @@ async def test_streamer_survives_a_client_that_left(autojump_clock):
         await h.tokens("gone", "xyz", last_reason="length")
         await h.tokens("stays", "fine", last_reason="length")
         assert "".join(p.text for p in await read_all(stays)) == "fine"
+        nursery.cancel_scope.cancel()
+
+
+async def test_streamer_takes_every_waiting_step_in_one_turn_so_a_reader_gets_them_merged(autojump_clock):
+    from spark.actors.ingress import RequestStream
+
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery)
+        await h.start()
+        stream = RequestStream("r", await h.open("r"), h.cancels_send.clone())
+        await trio.testing.wait_all_tasks_blocked()
+        for i, ch in enumerate("abc"):  # three steps came while the event loop was busy elsewhere
+            h.inbox.send_nowait(TokenBatch((TokenOutput("r", ord(ch), finish_reason="length" if i == 2 else None),),
+                                           trio.current_time()))
+        pieces = [p async for p in stream]
+        assert [(p.text, p.token_ids, p.finish_reason) for p in pieces] == [("abc", (97, 98, 99), "length")]
+        assert h.metrics.registry.get_sample_value("spark_generation_tokens_total") == 3
         nursery.cancel_scope.cancel()
