@@ -369,24 +369,22 @@ class BlockStream:
 async def _stream(head: dict, prompt_tokens: int, events):
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
     yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                            "usage": usage}})
-    yield sse("ping", {})
+                                            "usage": usage}}) + sse("ping", {})
     blocks = BlockStream()
     try:
         async with events:
-            async for event in events:
+            async for event in events:  # the SSE events of one turn event go out in one write
                 if not isinstance(event, TurnDone):
-                    for chunk in blocks.feed(event):
-                        yield chunk
+                    chunks = blocks.feed(event)
+                    if chunks:
+                        yield b"".join(chunks)
                     continue
                 if event.error is not None:
                     yield sse("error", anthropic_error(event.error.status, event.error.message))
                     return
-                for chunk in blocks.close():
-                    yield chunk
-                yield sse("message_delta", {"delta": stop_fields(event),
-                                            "usage": {**usage, "output_tokens": event.usage.completion_tokens}})
-                yield sse("message_stop", {})
+                yield b"".join(blocks.close()) + sse("message_delta", {
+                    "delta": stop_fields(event), "usage": {**usage, "output_tokens": event.usage.completion_tokens}}) \
+                    + sse("message_stop", {})
     except Exception as exc:  # the server failed mid-stream: say so rather than cut the stream
         log.exception("message %s failed", head["id"])
         yield sse("error", anthropic_error(500, f"internal error: {type(exc).__name__}: {exc}"))

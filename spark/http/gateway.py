@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator
 
 from quart import Quart, Response, g, request
 from quart.wrappers.response import IterableBody
@@ -110,21 +109,26 @@ async def _label(state, response: Response) -> Response:
     tally = g.get("spark_tally")
     if tally is not None:
         if isinstance(response.response, IterableBody) and response.status_code == 200:
-            response.response = IterableBody(_logged_at_end(response.response, slot, tally))
+            response.response = _LoggedAtEnd(response.response, slot, tally)
         else:
             _log(slot, tally, response.status_code)
     return response
 
 
-async def _logged_at_end(body: IterableBody, slot: Slot, tally: Tally) -> AsyncIterator[bytes]:
-    outcome = "disconnected"
-    try:
-        async with body:
-            async for chunk in body:
-                yield chunk
-        outcome = "ok"
-    finally:
-        _log(slot, tally, 200, outcome=outcome)
+class _LoggedAtEnd(IterableBody):
+    """A streamed body that logs its generation when it ends: "ok" when read to the end, else "disconnected".
+
+    It hands out the inner body's iterator itself, so a chunk costs nothing more.
+    """
+
+    def __init__(self, body: IterableBody, slot: Slot, tally: Tally):
+        self.iter, self._body, self._slot, self._tally = body.iter, body, slot, tally
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            await self._body.__aexit__(exc_type, exc, tb)
+        finally:
+            _log(self._slot, self._tally, 200, outcome="ok" if exc_type is None else "disconnected")
 
 
 def _log(slot: Slot, tally: Tally, status: int, *, outcome: str = "ok") -> None:

@@ -18,7 +18,7 @@ from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
 from spark.http.params import MODEL_ALIAS, Job, base_params, build_job, chat_turn, check_model, encode_prompts, logprobs_k
 from spark.http.schemas import ChatRequest, CompletionRequest, parse_body
-from spark.http.turn import ContentDelta, TurnDone, TurnParser, chat_format
+from spark.http.turn import ContentDelta, ReasoningDelta, TurnDone, TurnParser, chat_format
 
 bp = Blueprint("openai", __name__)
 
@@ -206,62 +206,84 @@ async def _collect_turns(job: Job, fanin: FanIn, parsers: list[TurnParser]):
 
 
 async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnParser]) -> AsyncIterator[bytes]:
-    """The chunks of a streamed chat completion; an error is an ``{"error"}`` event, then ``[DONE]``."""
+    """The chunks of a streamed chat completion; an error is an ``{"error"}`` event, then ``[DONE]``.
+
+    The events of one piece go out in one write, and the last piece's with the usage and ``[DONE]``.
+    """
     if job.include_usage:
         head = {**head, "usage": None}  # as OpenAI: every chunk has the key, only the last a value
-    completion_tokens = 0
+    completion_tokens, ended = 0, 0
+    text_chunks = {(i, kind): fmt.sse_template(fmt.chat_chunk(head, i, fmt.chat_delta(kind(fmt.SLOT))))
+                   for i in range(len(job.requests)) for kind in (ContentDelta, ReasoningDelta)}
+    out: list[bytes] = []
     try:
-        for i in range(len(job.requests)):
-            yield fmt.sse(fmt.chat_chunk(head, i, {"role": "assistant", "content": ""}))
+        yield b"".join(fmt.sse(fmt.chat_chunk(head, i, {"role": "assistant", "content": ""}))
+                       for i in range(len(job.requests)))
         async for i, piece in fanin:
             events = parsers[i].step(piece)
             done = events.pop() if events and isinstance(events[-1], TurnDone) else None
             if done is not None and done.error is not None:
-                yield fmt.sse(done.error.body())
-                yield fmt.SSE_DONE
+                yield b"".join(out) + fmt.sse(done.error.body()) + fmt.SSE_DONE
                 return
             logprobs = piece.logprobs if job.requests[i].params.logprobs is not None else None
             if logprobs and not events:  # the piece's text is held back, its tokens are not
                 events = [ContentDelta("")]
             for k, event in enumerate(events):
-                yield fmt.sse(fmt.chat_chunk(head, i, fmt.chat_delta(event), logprobs=logprobs if k == 0 else None))
+                fill = text_chunks.get((i, type(event))) if not (logprobs and k == 0) else None
+                if fill is not None:
+                    out.append(fill(event.text))
+                else:
+                    out.append(fmt.sse(fmt.chat_chunk(head, i, fmt.chat_delta(event),
+                                                      logprobs=logprobs if k == 0 else None)))
             if done is not None:
                 completion_tokens += done.usage.completion_tokens
-                yield fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=done.finish_reason))
+                ended += 1
+                out.append(fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=done.finish_reason)))
+            if out and ended < len(parsers):
+                yield b"".join(out)
+                out.clear()
         if job.include_usage:
-            yield fmt.sse({**head, "object": "chat.completion.chunk", "choices": [],
-                            "usage": fmt.usage(job.prompt_tokens, completion_tokens)})
-        yield fmt.SSE_DONE
+            out.append(fmt.sse({**head, "object": "chat.completion.chunk", "choices": [],
+                                "usage": fmt.usage(job.prompt_tokens, completion_tokens)}))
+        yield b"".join(out) + fmt.SSE_DONE
     except StreamFailed as exc:
-        yield fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body())
-        yield fmt.SSE_DONE
+        yield b"".join(out) + fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body()) \
+            + fmt.SSE_DONE
     finally:
         fanin.close()
 
 
 async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterator[bytes]:
+    """The chunks of a streamed completion: one write per piece, the last with the usage and ``[DONE]``."""
     head = {**head, "object": "text_completion"} | ({"usage": None} if job.include_usage else {})
     offsets = [0] * len(job.requests)  # text_offset of each choice's next token
-    completion_tokens = 0
+    text_chunks = [fmt.sse_template({**head, "choices": [fmt.completion_choice(i, fmt.SLOT, None, None)]})
+                   for i in range(len(job.requests))]
+    completion_tokens, ended = 0, 0
+    out: list[bytes] = []
     try:
         async for i, piece in fanin:
             if piece.finish_reason == "error":
-                yield fmt.sse(_failed(piece).body())
+                yield b"".join(out) + fmt.sse(_failed(piece).body())
                 return
-            logprobs = None
             if job.requests[i].params.logprobs is not None:
                 logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i])
                 offsets[i] += sum(len(lp.token) for lp in piece.logprobs)
-            if piece.text or logprobs and piece.logprobs:
-                yield fmt.sse({**head, "choices": [fmt.completion_choice(i, piece.text, None, logprobs)]})
+                if piece.text or piece.logprobs:
+                    out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, piece.text, None, logprobs)]}))
+            elif piece.text:
+                out.append(text_chunks[i](piece.text))
             if piece.finish_reason is not None:
                 completion_tokens += piece.num_output_tokens
-                yield fmt.sse({**head, "choices": [fmt.completion_choice(i, "", piece.finish_reason, None)]})
+                ended += 1
+                out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, "", piece.finish_reason, None)]}))
+            if out and ended < len(job.requests):
+                yield b"".join(out)
+                out.clear()
         if job.include_usage:
-            yield fmt.sse({**head, "choices": [], "usage": fmt.usage(job.prompt_tokens, completion_tokens)})
-        yield fmt.SSE_DONE
+            out.append(fmt.sse({**head, "choices": [], "usage": fmt.usage(job.prompt_tokens, completion_tokens)}))
+        yield b"".join(out) + fmt.SSE_DONE
     except StreamFailed as exc:
-        yield fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body())
+        yield b"".join(out) + fmt.sse(ApiError(500, f"generation failed: {exc}", code="generation_failed").body())
     finally:
         fanin.close()
-

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from spark.actors.messages import GenerateRequest, RequestOutput
 from spark.actors.system import SubmitError
@@ -95,3 +96,30 @@ async def test_a_failing_stream_surfaces_without_killing_the_nursery(autojump_cl
             async for _ in fanin:
                 pass
         fanin.close()
+
+
+async def test_one_choice_is_read_without_a_pump_and_closing_it_early_cancels_it(autojump_clock):
+    system = FakeSystem(pieces=100)
+    async with trio.open_nursery() as nursery:
+        fanin = await submit_job(system, _job(1), nursery)
+        assert len(nursery.child_tasks) == 0  # read in the reader's own task
+        got = []
+        async for _, piece in fanin:
+            got.append(piece.text)
+            if len(got) == 2:
+                break
+        fanin.close()
+        fanin.close()
+    assert got == ["t0", "t1"] and system.streams[0].cancelled
+
+
+async def test_a_one_choice_fan_in_dropped_unread_still_cancels_its_request(autojump_clock):
+    import gc
+
+    system = FakeSystem(pieces=100)
+    async with trio.open_nursery() as nursery:
+        fanin = await submit_job(system, _job(1), nursery)  # a response whose body never started
+        del fanin
+        gc.collect()
+        await trio.testing.wait_all_tasks_blocked()
+    assert system.streams[0].entered and system.streams[0].cancelled
