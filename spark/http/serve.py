@@ -18,6 +18,7 @@ from spark.serve_config import ServeConfig
 
 STARTUP_TIMEOUT_S = 3600  # loading a large model can take minutes
 GRACEFUL_TIMEOUT_S = 5  # open streams get this long after Ctrl-C
+LISTEN_BACKLOG = 2048  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
 
 
 def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> HypercornConfig:
@@ -30,6 +31,9 @@ def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> Hyperc
     hc.loglevel = "WARNING"  # hypercorn's own "Running on" line would repeat ours
     hc.startup_timeout = STARTUP_TIMEOUT_S
     hc.graceful_timeout = GRACEFUL_TIMEOUT_S
+    # Hundreds of clients connecting at once overflow hypercorn's default accept queue (100): the
+    # kernel drops their handshakes, which come back a second later or as connection resets.
+    hc.backlog = LISTEN_BACKLOG
     return hc
 
 
