@@ -1,13 +1,15 @@
 """Serving through HTTP against the offline engine, on the same workload.
 
     python benchmarks/serving.py [--model dummy:llama-3.1-8b] [--clients 256] [--requests 1000]
-                                 [--prompt 512] [--new 256] [--out FILE]
+                                 [--prompt 512] [--new 256] [--load-procs 8] [--out FILE]
 
 1. Starts ``spark serve`` (a subprocess, the GPU) and waits for /health.
-2. A load generator (asyncio + httpx, its own process) keeps ``--clients``
-   streamed /v1/completions requests in flight until ``--requests`` are done:
-   random token-id prompts of ``--prompt`` tokens, ``--new`` greedy tokens,
-   no EOS stop. Per request: time to first token and the gaps between tokens.
+2. A load generator (asyncio + httpx in ``--load-procs`` processes, default 8)
+   keeps ``--clients`` streamed /v1/completions requests in flight until
+   ``--requests`` are done: random token-id prompts of ``--prompt`` tokens,
+   ``--new`` greedy tokens, no EOS stop. Per request: time to first token and
+   the gaps between content chunks (ITL); tokens come from the usage chunk, so
+   a chunk may carry several (``tokens_per_chunk``).
 3. Stops the server, then runs the offline engine (``Engine.generate`` with
    the same batch limit and CUDA graphs) on the same prompts.
 Prints a table; writes the serving entry as JSON.
@@ -18,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
+import queue as queue_module
 import random
 import signal
 import subprocess
@@ -32,46 +36,100 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def load(url: str, prompts: list[list[int]], clients: int, new: int) -> dict:
+    """Keep ``clients`` streamed /v1/completions in flight until ``prompts`` are done (one process).
+
+    Returns:
+        start/end (``time.time()``), output tokens (from the usage chunks), content chunks,
+        TTFTs and the gaps between content chunks (seconds), the errors, and the CPU seconds it used.
+    """
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     ttfts, gaps, tokens, errors = [], [], [], []
+    chunks = 0
 
     async def client(http: httpx.AsyncClient) -> None:
+        nonlocal chunks
         while not queue.empty():
             prompt = queue.get_nowait()
             body = {"model": "sparky", "prompt": prompt, "max_tokens": new, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             start = time.perf_counter()
             last, count = None, 0
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    errors.append(f"{r.status_code} {(await r.aread())[:200]!r}")
-                    continue
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code} {(await r.aread())[:200]!r}")
                         continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        count = chunk["usage"]["completion_tokens"]
-                    if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        ttfts.append(now - start)
-                    else:
-                        gaps.append(now - last)
-                    last = now
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            count = chunk["usage"]["completion_tokens"]
+                        if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                            continue
+                        chunks += 1
+                        now = time.perf_counter()
+                        if last is None:
+                            ttfts.append(now - start)
+                        else:
+                            gaps.append(now - last)
+                        last = now
+            except httpx.HTTPError as exc:  # counted, not fatal: one broken stream must not lose the run
+                errors.append(f"{type(exc).__name__}: {exc}")
             tokens.append(count)
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.time(), time.process_time()
         await asyncio.gather(*(client(http) for _ in range(clients)))
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": sum(tokens), "ttft": ttfts, "gaps": gaps, "errors": errors}
+        t1, cpu1 = time.time(), time.process_time()
+    return {"start": t0, "end": t1, "output_tokens": sum(tokens), "chunks": chunks, "ttft": ttfts, "gaps": gaps,
+            "errors": errors, "cpu_s": cpu1 - cpu0}
+
+
+def _load_process(url: str, prompts: list[list[int]], clients: int, new: int, barrier, results) -> None:
+    import httpx  # noqa: F401  (imported before the barrier, so that no process starts late)
+
+    barrier.wait()
+    results.put(asyncio.run(load(url, prompts, clients, new)))
+
+
+def spread_load(url: str, prompts: list[list[int]], clients: int, new: int, procs: int) -> dict:
+    """``load`` over ``procs`` processes (one asyncio loop parses a few thousand SSE lines/s at most).
+
+    Clients and prompts are dealt out evenly; the processes start together.
+
+    Returns:
+        The merged result: ``wall_s`` from the first start to the last end, the sums and the lists of ``load``.
+    """
+    procs = max(1, min(procs, clients))
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_load_process, daemon=True, args=(
+        url, prompts[i::procs], clients // procs + (i < clients % procs), new, barrier, results))
+        for i in range(procs)]
+    for w in workers:
+        w.start()
+    parts = []
+    while len(parts) < procs:
+        try:
+            parts.append(results.get(timeout=5))
+        except queue_module.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a load process failed (exit code {dead[0]})") from None
+    for w in workers:
+        w.join()
+    return {
+        "wall_s": max(p["end"] for p in parts) - min(p["start"] for p in parts),
+        "output_tokens": sum(p["output_tokens"] for p in parts), "chunks": sum(p["chunks"] for p in parts),
+        "ttft": [t for p in parts for t in p["ttft"]], "gaps": [t for p in parts for t in p["gaps"]],
+        "errors": [e for p in parts for e in p["errors"]], "cpu_s": sum(p["cpu_s"] for p in parts),
+    }
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -119,6 +177,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--scheduler", default="slai")
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--load-procs", type=int, default=8, help="load-generator processes the clients are spread over")
     ap.add_argument("--out", default="serving.json")
     ap.add_argument("--settle", type=float, default=20.0, help="seconds for graph capture before timing")
     args = ap.parse_args()
@@ -134,8 +193,8 @@ def main() -> int:
     try:
         wait_healthy(url, server)
         time.sleep(args.settle)  # let the background CUDA-graph capture finish before timing
-        asyncio.run(load(url, prompts[: args.clients], args.clients, 8))  # warm-up
-        result = asyncio.run(load(url, prompts, args.clients, args.new))
+        spread_load(url, prompts[: args.clients], args.clients, 8, args.load_procs)  # warm-up
+        result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -154,12 +213,15 @@ def main() -> int:
         "itl_p50_ms": round(1000 * percentile(result["gaps"], 0.5), 2),
         "itl_p99_ms": round(1000 * percentile(result["gaps"], 0.99), 2),
         "errors": len(result["errors"]),
+        "tokens_per_chunk": round(result["output_tokens"] / max(1, result["chunks"]), 2),
+        "load_procs": args.load_procs,
     }
     if result["errors"]:
         print("errors, e.g.:", sorted(set(result["errors"]))[:5])
     print(json.dumps(entry))
     print(f"serving {serving_tok_s:.0f} tok/s, offline {offline_tok_s:.0f} tok/s, ratio {entry['ratio_to_offline']}; "
-          f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms")
+          f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; "
+          f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk")
     with open(args.out, "w") as f:
         json.dump(entry, f, indent=1)
     return 0
