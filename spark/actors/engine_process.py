@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import queue
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -81,20 +83,30 @@ class EngineProcess:
         as it comes, each ``StepResult`` comes back as soon as the step is done.
 
         Sending and receiving are independent, so the engine process finds step N+1
-        waiting when it finishes step N, whatever this event loop is busy with.
+        waiting when it finishes step N, whatever this event loop is busy with. A
+        thread of its own writes the pipe: handing it a step costs the loop nothing.
         """
-        async with inbox, outbox, trio.open_nursery() as nursery:
-            nursery.start_soon(self._send_all, inbox)
-            task_status.started()
-            while True:
-                reply = await trio.to_thread.run_sync(self._recv, abandon_on_cancel=True)
-                if reply is None:
-                    raise RuntimeError("the engine process exited")
-                await outbox.send(reply)
+        sends: queue.SimpleQueue = queue.SimpleQueue()
+        sender = threading.Thread(target=self._send_loop, args=(sends,), name="spark-engine-send", daemon=True)
+        sender.start()
+        try:
+            async with inbox, outbox, trio.open_nursery() as nursery:
+                nursery.start_soon(_forward, inbox, sends)
+                task_status.started()
+                while True:
+                    reply = await trio.to_thread.run_sync(self._recv, abandon_on_cancel=True)
+                    if reply is None:
+                        raise RuntimeError("the engine process exited")
+                    await outbox.send(reply)
+        finally:
+            sends.put(None)
 
-    async def _send_all(self, inbox: trio.MemoryReceiveChannel) -> None:
-        async for work in inbox:
-            await trio.to_thread.run_sync(self._conn.send, work)
+    def _send_loop(self, sends: queue.SimpleQueue) -> None:
+        while (work := sends.get()) is not None:
+            try:
+                self._conn.send(work)
+            except (OSError, EOFError):
+                return  # the process is gone; the receiving side reports it
 
     def _recv(self) -> StepResult | None:
         try:
@@ -116,6 +128,11 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+
+
+async def _forward(inbox: trio.MemoryReceiveChannel, sends: queue.SimpleQueue) -> None:
+    async for work in inbox:
+        sends.put(work)
 
 
 def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:

@@ -100,8 +100,13 @@ async def open_system(
 
     async with trio.open_nursery() as nursery:
         own_runner = getattr(engine, "run", None)  # an EngineProcess steps (and captures) in its process
+        # Steps planned ahead: with a worker thread, one runs while the next waits. The
+        # engine process runs one, has one launched behind it, and a third covers the
+        # event loop's delay in handing results back at hundreds of streams.
+        depth = 2
         if execute is None and own_runner is not None:
             await nursery.start(own_runner, work_recv, results_send)
+            depth = 3
         else:
             capture = None
             can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
@@ -112,9 +117,10 @@ async def open_system(
                 execute or gpu_runner.thread_executor(engine), work_recv, results_send,
             )
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
-        await nursery.start(
-            scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics
-        )
+        await nursery.start(functools.partial(
+            scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics,
+            depth=depth,
+        ))
         ingress = Ingress(
             admissions_send,
             cancels_send,

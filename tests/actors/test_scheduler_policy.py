@@ -291,8 +291,9 @@ def test_cost_model_says_nothing_until_the_data_can_tell():
 
 # -- pipelined planning ------------------------------------------------------------
 
+@pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("policy_name", ["fifo", "slai"])
-def test_planning_a_step_ahead_finishes_every_request_with_its_tokens(policy_name):
+def test_planning_a_step_ahead_finishes_every_request_with_its_tokens(policy_name, depth):
     """Plan step N+1 before N's result is accounted (as the actor does), on a pool small
     enough to preempt: the double checks every plan's pages, and the tokens come out as
     if each request ran alone."""
@@ -311,7 +312,7 @@ def test_planning_a_step_ahead_finishes_every_request_with_its_tokens(policy_nam
             add(policy, engine, rid, n, max_tokens=m, arrival=now)
         if not (policy.num_active or inflight):
             break
-        if len(inflight) < 2:
+        if len(inflight) < depth:
             planned = policy.schedule(now)
             preempted += len(policy.preempted)
             for request_id in policy.preempted:
@@ -319,7 +320,7 @@ def test_planning_a_step_ahead_finishes_every_request_with_its_tokens(policy_nam
             if planned:
                 plan = StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned))
                 inflight.append((planned, engine.step(plan)))
-                if len(inflight) < 2:
+                if len(inflight) < depth:
                     continue
         planned, step = inflight.popleft()
         seconds = A + B * sum(p.num_tokens for p in planned)
