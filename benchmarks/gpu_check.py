@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py
 
 1. Triton kernels (paged decode attention with and without split-KV, KV write,
-   fused rope + KV write) against their torch references on random bf16 data of real shapes.
+   fused rope + KV write, decode attention with the rope + KV write folded in)
+   against their torch references on random bf16 data of real shapes.
 2. The engine on dummy weights of real shapes (bf16): the Triton decode path
    against the torch reference path, token for token (greedy), and a first
    rough decode speed (the tuned fast path is a later issue).
@@ -96,6 +97,49 @@ def check_rope_write_kv(rows: list) -> None:
                  "ok": bool(same_slots and within_ulp and torch.equal(vc[written], vr[written]))})
 
 
+def check_decode_attention_rope(rows: list) -> None:
+    """Rope + KV write + decode attention in one launch vs its reference, and vs the unfused kernels' cache (bf16)."""
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    scale = dim**-0.5
+    for batch, ctx in [(1, 17), (1, 300), (8, 17), (8, 300)]:
+        pages_per_seq = -(-ctx // page)
+        num_pages = batch * pages_per_seq + 1
+        k_cache = torch.randn(num_pages, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        tables = (torch.randperm(num_pages - 1, device="cuda", generator=gen)[: batch * pages_per_seq] + 1)
+        tables = tables.view(batch, pages_per_seq).int()
+        seq_lens = torch.randint(1, ctx + 1, (batch,), device="cuda", generator=gen).int()
+        seq_lens[0] = ctx
+        positions = seq_lens.long() - 1  # the new token is the last key of its sequence
+        slots = tables.gather(1, (positions // page)[:, None]).squeeze(1).long() * page + positions % page
+        fused = torch.randn(batch, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, k, v = (x.view(batch, -1, dim) for x in fused.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1))
+        args = (q, k, v, positions, inv_freq)
+        kf, vf, kr, vr, ku, vu = (c.clone() for c in (k_cache, v_cache) * 3)
+        out = pa.paged_decode_attention_rope_triton(*args, kf, vf, slots, tables, seq_lens, scale)
+        # paged_decode_attention_rope_reference, with its attention in fp32 (as check_kernels'
+        # reference): bf16 SDPA would add its own rounding to the comparison.
+        q_rot = rope.rope_and_write_kv_reference(*args, kr, vr, slots)
+        ref = pa.paged_decode_attention_reference(q_rot.float(), kr.float(), vr.float(), tables, seq_lens, scale)
+        rope.rope_and_write_kv_triton(*args, ku, vu, slots)
+        torch.cuda.synchronize()
+        err = (out.float() - ref.float()).abs().max().item()
+        # The new tokens' K/V bit for bit as the unfused kernel writes them, nothing else touched.
+        cache_equal = bool(torch.equal(kf, ku) and torch.equal(vf, vu))
+        t = bench(lambda: pa.paged_decode_attention_rope_triton(*args, kf, vf, slots, tables, seq_lens, scale))
+
+        def unfused():
+            q_rot = rope.rope_and_write_kv_triton(*args, ku, vu, slots)
+            pa.paged_decode_attention_triton(q_rot, ku, vu, tables, seq_lens, scale)
+
+        t_unfused = bench(unfused)
+        rows.append({"check": "decode_attention_rope", "batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads,
+                     "head_dim": dim, "page": page, "max_abs_err": err, "cache_equal_unfused": cache_equal,
+                     "us": t * 1e6, "us_unfused": t_unfused * 1e6, "ok": err < 2e-2 and cache_equal})
+
+
 def bench(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -126,12 +170,13 @@ def check_engine(rows: list, preset: str, batches: tuple[int, ...], new_tokens: 
         two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         engine.generate(prompts[:1], two)  # warm-up (Triton compile)
         fast_logits = _second_step_logits(engine, prompts, two)
-        original = pa.paged_decode_attention_triton
+        originals = pa.paged_decode_attention_triton, pa.paged_decode_attention_rope_triton
         pa.paged_decode_attention_triton = lambda q, kc, vc, bt, sl, scale: pa.paged_decode_attention_reference(q, kc, vc, bt, sl, scale)
+        pa.paged_decode_attention_rope_triton = pa.paged_decode_attention_rope_reference  # the decode path's kernel
         try:
             ref_logits = _second_step_logits(engine, prompts, two)
         finally:
-            pa.paged_decode_attention_triton = original
+            pa.paged_decode_attention_triton, pa.paged_decode_attention_rope_triton = originals
         cos = torch.nn.functional.cosine_similarity(fast_logits, ref_logits, dim=-1).min().item()
         diff = (fast_logits - ref_logits).abs().max().item()
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -181,6 +226,7 @@ def main() -> int:
     assert torch.cuda.is_available(), "needs a GPU"
     rows: list = []
     check_kernels(rows)
+    check_decode_attention_rope(rows)
     check_gpu_vs_cpu(rows)
     check_engine(rows, "smollm2-135m", (1, 64), 64)
     check_engine(rows, "tiny-qwen3", (4,), 16)

@@ -58,3 +58,24 @@ def paged_attention(
     return pa.paged_attention_reference(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
     )
+
+
+def paged_decode_attention_rope(
+    q: torch.Tensor,  # [B, H, Dh] unrotated
+    k: torch.Tensor,  # [B, Hkv, Dh] unrotated
+    v: torch.Tensor,  # [B, Hkv, Dh]
+    rope: tuple[torch.Tensor, torch.Tensor],  # positions [B] int64, inv_freq [Dh // 2] fp32
+    k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """GPU decode step (``meta.decode_only``): rope, KV write and attention in one launch. Returns [B, H, Dh].
+
+    Decode at small batch is bound by kernel launches; this saves the separate rope +
+    KV-write launch of every layer.
+    """
+    positions, inv_freq = rope
+    return pa.paged_decode_attention_rope_triton(
+        q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
+    )

@@ -2,9 +2,11 @@
 
 Cache layout: `k_cache`, `v_cache` each `[num_pages, page_size, Hkv, D]`; token
 position p of sequence b lives at page `block_tables[b, p // page_size]`, offset
-`p % page_size`. GQA: query head h reads kv head `h // (H // Hkv)`. Every kernel
-here runs after this step's K/V were written to the cache, so `seq_lens` counts
-them.
+`p % page_size`. GQA: query head h reads kv head `h // (H // Hkv)`. `seq_lens`
+counts this step's tokens. Every kernel here runs after this step's K/V were
+written to the cache, except `paged_decode_attention_rope_*`, which rotate q and k
+and write the new token's K/V themselves: decode at small batch is bound by kernel
+launches, and folding the rope + KV-write launch into attention saves one per layer.
 """
 
 import functools
@@ -12,6 +14,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from spark.engine.kernels import rope
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -145,11 +149,86 @@ def paged_decode_attention_triton(
     Returns:
       `[B, H, D]` in q's dtype.
     """
+    return _launch_decode(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+def paged_decode_attention_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`rope.rope_and_write_kv_reference`, then `paged_decode_attention_reference` (torch).
+
+    Args and Returns: as `paged_decode_attention_rope_triton` (no `num_splits`).
+    """
+    q_rot = rope.rope_and_write_kv_reference(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention_reference(q_rot, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_decode_attention_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Rope, KV write and decode attention in one launch (plus the reduce when split).
+
+    The kernel of `paged_decode_attention_triton`, with every program (sequence, kv
+    head, split) rotating its group's q heads itself. The program whose partition
+    holds the new token (position `seq_len - 1`) also rotates k and writes k and v
+    into the token's slot, bit for bit as `rope.rope_and_write_kv_triton` would, and
+    scores that token from registers: nothing orders a store before loads of the same
+    launch, so no program reads the new token's slot back; every other key was written
+    by an earlier step. Graph-capturable like the plain kernel.
+
+    Args:
+      q: `[B, H, D]` the new token of each sequence, unrotated; any strides (a view
+        of the fused qkv output); not modified.
+      k, v: `[B, Hkv, D]` its unrotated key and its value; any strides; not modified.
+      positions: `[B]` int64 position of each new token (its rope angle).
+      inv_freq: `[D // 2]` fp32 rope inverse frequencies.
+      k_cache, v_cache: `[num_pages, page_size, Hkv, D]`, same strides; the new
+        tokens' slots are written, nothing else.
+      slot_mapping: `[B]` int64 flat slot of each new token; -1 marks a padding row
+        (its seq_len must be 0: nothing is written, its output is zeros).
+      block_tables: `[B, max_pages]` int32.
+      seq_lens: `[B]` int32 context lengths, the new token included.
+      scale: softmax scale.
+      num_splits: partitions per sequence; None picks them from the batch shape.
+
+    Returns:
+      `[B, H, D]` in q's dtype.
+    """
+    batch, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and q.shape[0] == batch and q.shape[2] == head_dim and head_dim % 2 == 0
+    assert inv_freq.shape == (head_dim // 2,) and positions.shape == slot_mapping.shape == (batch,)
+    rope_args = (k, v, positions, inv_freq, slot_mapping)
+    return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits):
+    """Launch the decode kernel (with rope + KV write when `rope_args` is given) and the reduce."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads and k_cache.shape[3] == head_dim
-    assert k_cache.stride() == v_cache.stride()
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -168,12 +247,16 @@ def paged_decode_attention_triton(
         partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     else:  # unused by the kernel; any fp32 tensor fills the arguments
         partial_max = partial_sum = partial_out = out.new_empty(0, dtype=torch.float32)
+    # Without rope the kernel never touches the rope arguments: any tensors fill them.
+    k, v, positions, inv_freq, slot_mapping = rope_args or (q, q, seq_lens, partial_max, seq_lens)
     decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
-        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        q, k, v, positions, inv_freq, slot_mapping,
+        k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
+        *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
+        *k_cache.stride(), block_tables.stride(0), *out.stride(),
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        SPLIT=split, PRECISION=precision,
+        SPLIT=split, PRECISION=precision, ROPE=rope_args is not None,
     )
     if split:
         reduce_kernel[(batch, num_heads)](
@@ -212,14 +295,15 @@ def _kernels():
 
     @triton.jit
     def decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
         partial_max_ptr, partial_sum_ptr, partial_out_ptr,
-        stride_qb, stride_qh, stride_qd,
+        stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd, stride_f,
         stride_cp, stride_co, stride_ch, stride_cd,
         stride_bt, stride_ob, stride_oh, stride_od,
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -234,10 +318,48 @@ def _kernels():
         row_ok = rows < group
         dim_ok = dims < head_dim
         heads = kv_head * group + rows
-        q = tl.load(
-            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-            mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-        ).to(tl.float32)
+        q_mask = row_ok[:, None] & dim_ok[None, :]
+        q_src = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+        if ROPE:
+            # Rope in the full [.., D] layout the dots need: lane d takes x1 = x[d % half]
+            # and x2 = x[half + d % half] and keeps `x1*cos - x2*sin` (first half) or
+            # `x2*cos + x1*sin` (second half): the rope kernel's expressions term for term, so
+            # they compile to the same FMAs (checked in the sm_90 PTX) and k matches its bits.
+            # cos/sin as in rope.py: the same fp32 angle, libdevice cos/sin on the GPU; fp32
+            # loads for the interpreter's sake.
+            half = head_dim // 2
+            lane = dims % half
+            first = (dims < half)[None, :]
+            pos = tl.load(positions_ptr + seq).to(tl.float32)
+            angle = pos * tl.load(inv_freq_ptr + lane * stride_f, mask=dim_ok, other=0.0)
+            cos = tl.cos(angle)[None, :]
+            sin = tl.sin(angle)[None, :]
+            x1 = tl.load(q_src + lane[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+            x2 = tl.load(q_src + (half + lane[None, :]) * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+            q = tl.where(first, x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+            # Rounded to q's dtype, as the unfused path hands attention a rotated q.
+            q = q.to(q_ptr.dtype.element_ty).to(tl.float32)
+            # The new token's key, the same rotation on its kv head's [D] vector.
+            k_src = k_ptr + seq * stride_kb + kv_head * stride_kh
+            x1 = tl.load(k_src + lane * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)
+            x2 = tl.load(k_src + (half + lane) * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)
+            k_new = tl.where(first, x1[None, :] * cos - x2[None, :] * sin, x2[None, :] * cos + x1[None, :] * sin)
+            # Rounded to k's dtype, then the cache's (as the unfused path stores it); v copied.
+            k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [1, BLOCK_D]
+            v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :] * stride_vd,
+                            mask=dim_ok[None, :], other=0.0).to(v_cache_ptr.dtype.element_ty)
+            # The new token (key seq_len - 1) is this program's when its partition holds it;
+            # only that program writes it, and it reads no key at or after it from the cache.
+            owner = (start < seq_len) & (seq_len - 1 < start + part_len)
+            slot = tl.load(slot_ptr + seq).to(tl.int64)  # int64: page * stride_cp may pass 2**31
+            dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co + kv_head * stride_ch
+            dst = dst + dims[None, :] * stride_cd
+            write = dim_ok[None, :] & owner & (slot >= 0)
+            tl.store(k_cache_ptr + dst, k_new, mask=write)
+            tl.store(v_cache_ptr + dst, v_new, mask=write)
+            end = tl.minimum(end, seq_len - 1)
+        else:
+            q = tl.load(q_src + dims[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
         q = q * qk_scale_log2  # scores come out in log2 units: exp2 below is exp of the scaled score
 
         # Running max of the scores, finite: exp2(m_old - m_new) stays 1, not NaN, while a
@@ -269,6 +391,18 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
             n0 += BLOCK_N
+
+        if ROPE:
+            # One more online-softmax step for the new token, from registers; a no-op
+            # (score -inf: alpha 1, p 0) in every program but its owner.
+            s = tl.sum(q * k_new.to(tl.float32), axis=1)  # [BLOCK_G]
+            s = tl.where(owner, s, float("-inf"))
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if SPLIT:

@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from spark.engine.attention import AttentionMetadata, paged_attention
+from spark.engine.attention import AttentionMetadata, paged_attention, paged_decode_attention_rope
 from spark.engine.config import ModelConfig
 from spark.engine.kernels import activation, norm as norm_kernels, rope as rope_kernels, small_linear
 
@@ -100,7 +100,10 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if qkv.is_cuda:
+        if qkv.is_cuda and meta.decode_only:
+            # One launch rotates q and k, writes k, v into the cache and attends.
+            out = paged_decode_attention_rope(q, k, v, rope, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
+        elif qkv.is_cuda:
             # One launch rotates q and k and writes k, v into the cache; attention then
             # only reads the cache. Decode at small batch is bound by kernel launches.
             positions, inv_freq = rope

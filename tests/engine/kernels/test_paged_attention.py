@@ -11,8 +11,12 @@ from spark.engine.kernels.paged_attention import (
     choose_num_splits,
     paged_attention_reference,
     paged_decode_attention_reference,
+    paged_decode_attention_rope_reference,
+    paged_decode_attention_rope_triton,
     paged_decode_attention_triton,
 )
+from spark.engine.kernels.rope import rope_and_write_kv_reference, rope_and_write_kv_triton
+from tests.engine.kernels.conftest import assert_bf16_nearly_exact
 
 
 def _paged_batch(context_lens, page_size, num_kv_heads, head_dim, seed=0):
@@ -165,3 +169,138 @@ def test_choose_num_splits():
     assert choose_num_splits(batch=1, num_kv_heads=1, max_context=1 << 20) == 32
     # Never more partitions than a minimum-size partition allows.
     assert choose_num_splits(batch=2, num_kv_heads=2, max_context=1024) == 4
+
+
+def _decode_step(context_lens, page_size, num_kv_heads, group, head_dim, dtype=torch.float32, cache_dtype=None, seed=0):
+    """One decode step before rope and the KV write: caches, block tables, the new tokens' q/k/v.
+
+    The caches come from `_paged_batch` (NaN wherever no key is), with each new token's
+    slot (position ctx - 1) put back to NaN: this step has not written it yet. A context
+    of 0 is a padding row: slot -1, seq_len 0. q, k, v are unrotated strided views of one
+    fused `[B, (H + 2*Hkv) * D]` projection, as the model passes them.
+
+    Returns:
+      (q, k, v), positions `[B]`, slots `[B]`, (k_cache, v_cache), block_tables, seq_lens.
+    """
+    _, _, k_cache, v_cache, block_tables = _paged_batch(context_lens, page_size, num_kv_heads, head_dim, seed=seed)
+    slots = []
+    for b, n in enumerate(context_lens):
+        if n == 0:
+            slots.append(-1)
+            continue
+        page, offset = block_tables[b, (n - 1) // page_size].item(), (n - 1) % page_size
+        k_cache[page, offset] = v_cache[page, offset] = float("nan")
+        slots.append(page * page_size + offset)
+    gen = torch.Generator().manual_seed(seed + 1)
+    num_heads, kv_dim = num_kv_heads * group, num_kv_heads * head_dim
+    fused = torch.randn(len(context_lens), num_heads * head_dim + 2 * kv_dim, generator=gen).to(dtype)
+    q, k, v = fused.split((num_heads * head_dim, kv_dim, kv_dim), dim=-1)
+    qkv = (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim))
+    positions = (torch.tensor(context_lens) - 1).clamp(min=0)
+    caches = (k_cache.to(cache_dtype or dtype), v_cache.to(cache_dtype or dtype))
+    return qkv, positions, torch.tensor(slots), caches, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _inv_freq(head_dim, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+
+def _run_rope_decode(fn, qkv, positions, slots, caches, block_tables, seq_lens, **kwargs):
+    """fn's output and the caches it wrote, on fresh copies of `caches`."""
+    k_cache, v_cache = caches[0].clone(), caches[1].clone()
+    inv_freq = _inv_freq(qkv[0].shape[-1], 500000.0)
+    scale = qkv[0].shape[-1] ** -0.5
+    out = fn(*qkv, positions, inv_freq, k_cache, v_cache, slots, block_tables, seq_lens, scale, **kwargs)
+    return out, k_cache, v_cache
+
+
+def _rope_write_only(qkv, positions, slots, caches):
+    """The caches as the unfused path's `rope_and_write_kv_triton` leaves them."""
+    k_cache, v_cache = caches[0].clone(), caches[1].clone()
+    rope_and_write_kv_triton(*qkv, positions, _inv_freq(qkv[0].shape[-1], 500000.0), k_cache, v_cache, slots)
+    return k_cache, v_cache
+
+
+# Contexts: the new token alone, a padding row, a page boundary, and 65 / 129 / 300, whose
+# new token (key 64 / 128 / 299) opens a partition for 2 and 3 splits (64-key partitions:
+# for 65 keys and 3 splits the last one is empty) or sits inside the last one.
+ROPE_CONTEXTS = [1, 0, 17, 65, 129, 300]
+# (page_size, num_kv_heads, group, head_dim, num_splits): GQA groups 1 to 8, head_dim
+# 64 and 128, page sizes 1 and 16, split-KV off, forced (2, 3) and chosen (None).
+ROPE_CASES = [
+    (1, 2, 1, 64, 1),
+    (16, 1, 2, 128, 2),
+    (16, 2, 3, 64, 3),
+    (1, 1, 4, 64, 2),
+    (16, 1, 8, 128, 1),
+    (16, 1, 5, 64, None),
+]
+
+
+@pytest.mark.parametrize("page_size, num_kv_heads, group, head_dim, num_splits", ROPE_CASES)
+def test_decode_rope_triton_matches_reference(page_size, num_kv_heads, group, head_dim, num_splits):
+    step = _decode_step(ROPE_CONTEXTS, page_size, num_kv_heads, group, head_dim, seed=page_size + group)
+    qkv, fused_before = step[0], [x.clone() for x in step[0]]
+
+    out, k_tri, v_tri = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
+    expected, k_ref, v_ref = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+
+    assert out.shape == qkv[0].shape and out.dtype == torch.float32
+    # Only cos/sin differ from torch's (~1-2 fp32 ulps); the padding row comes out zero.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert out[1].eq(0).all()
+    torch.testing.assert_close(k_tri, k_ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    # Bit for bit what the unfused kernel writes, and nothing anywhere else (NaN stays NaN).
+    k_unfused, v_unfused = _rope_write_only(*step[:4])
+    assert torch.equal(k_tri.isnan(), k_ref.isnan()) and torch.equal(v_tri.isnan(), v_ref.isnan())
+    torch.testing.assert_close(k_tri, k_unfused, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_tri, v_unfused, rtol=0, atol=0, equal_nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(qkv, fused_before))  # inputs untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_decode_rope_triton_bf16(cache_dtype, bf16_rounds_to_nearest):
+    step = _decode_step([5, 0, 65, 130], 16, 2, 4, 64, torch.bfloat16, cache_dtype)
+    (q, k, v), positions, slots, caches, block_tables, seq_lens = step
+    k_unfused, v_unfused = _rope_write_only(*step[:4])
+    expected, k_ref, v_ref = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+    # The reference attends in bf16; the kernel in fp32 on the bf16 rotated q and cache,
+    # rounding once: hold it to that computation, within one bf16 rounding of the output.
+    scratch = [c.clone() for c in caches]
+    q_rot = rope_and_write_kv_reference(q, k, v, positions, _inv_freq(64, 500000.0), *scratch, slots)
+    exact = paged_decode_attention_reference(q_rot.float(), k_ref.float(), v_ref.float(), block_tables, seq_lens, 0.125)
+    for num_splits in (1, 2):
+        out, k_tri, v_tri = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2)
+        torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-4)
+        # A bf16 k rounds to bf16 before the cache's dtype, exactly as the unfused kernel.
+        torch.testing.assert_close(k_tri, k_unfused, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_tri, v_unfused, rtol=0, atol=0, equal_nan=True)
+        written = caches[0].isnan() & ~k_ref.isnan()  # the new tokens' slots: 3 tokens, 2 kv heads
+        assert torch.equal(k_tri.isnan(), k_ref.isnan()) and written.sum() == 3 * 2 * 64
+        assert_bf16_nearly_exact(k_tri[written].bfloat16(), k_ref[written].bfloat16())
+
+
+def test_decode_rope_triton_scores_the_new_token_from_registers():
+    # Send every new token to a spare slot on page 0, outside all block tables: a kernel
+    # that read the token back from the cache would now read NaN at its block-table slot.
+    step = _decode_step([1, 40, 100], 16, 1, 2, 64)
+    spare = torch.tensor([3, 4, 5])
+    out, k_cache, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=2)
+    moved, k_moved, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step[:2], spare, *step[3:], num_splits=2)
+    assert torch.equal(moved, out) and not out.isnan().any()
+    for slot, moved_to in zip(step[2].tolist(), spare.tolist()):
+        assert torch.equal(k_moved[0, moved_to], k_cache[slot // 16, slot % 16])
+        assert k_moved[slot // 16, slot % 16].isnan().all()
+
+
+def test_decode_rope_reference_is_rope_write_then_decode():
+    (q, k, v), positions, slots, (k_cache, v_cache), block_tables, seq_lens = _decode_step([3, 0, 20], 8, 2, 2, 64)
+    inv_freq = _inv_freq(64)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    rope_args = (q, k, v, positions, inv_freq)
+    out = paged_decode_attention_rope_reference(*rope_args, k_cache, v_cache, slots, block_tables, seq_lens, 0.1)
+    q_rot = rope_and_write_kv_reference(*rope_args, k_ref, v_ref, slots)
+    assert torch.equal(out, paged_decode_attention_reference(q_rot, k_ref, v_ref, block_tables, seq_lens, 0.1))
+    torch.testing.assert_close((k_cache, v_cache), (k_ref, v_ref), rtol=0, atol=0, equal_nan=True)
