@@ -28,6 +28,7 @@ from spark.engine.models.llama import LlamaModel, rope_inv_freq
 from spark.engine.page_allocator import PageAllocator
 from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
+from spark.engine.transfer import upload
 
 log = logging.getLogger("spark.engine")
 
@@ -340,8 +341,7 @@ class Engine:
             return
         dev = self.device
         fixups = [
-            (torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
-             sources[key].token_ids.index_select(0, torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)))
+            (upload(dst, torch.int64, dev), sources[key].token_ids.index_select(0, upload(src, torch.int64, dev)))
             for key, (dst, src) in feeds.items()
         ]
         decode_only = len(ids) == len(kept)
@@ -356,7 +356,7 @@ class Engine:
         if not samplers:
             return
         if len(sample_rows) != logits.shape[0]:
-            logits = logits[torch.tensor(sample_rows, device=dev)]
+            logits = logits[upload(sample_rows, torch.int64, dev)]
         seqs = [self._seqs[i] for i in samplers]
         batch = SamplingBatch(
             params=tuple(s.params for s in seqs),
@@ -421,23 +421,23 @@ class Engine:
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            slot_mapping=upload(slots, torch.int64, dev),
+            query_start_loc=upload(qsl, torch.int32, dev),
+            seq_lens=upload(seq_lens, torch.int32, dev),
+            block_tables=upload([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
             decode_only=decode_only,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        input_ids = upload(ids, torch.int64, dev)
         for rows, tokens in fixups:  # ids that launched steps are still sampling
             input_ids.index_copy_(0, rows, tokens)
         hidden = self.model(
             input_ids,
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            upload(positions, torch.int64, dev),
             self.kv_cache.layers,
             meta,
         )
-        last_rows = torch.tensor(qsl[1:], device=dev) - 1  # [B]: each sequence's last new token
+        last_rows = upload(qsl[1:], torch.int64, dev) - 1  # [B]: each sequence's last new token
         return self.model.compute_logits(hidden[last_rows])
 
     # -- CUDA graphs ------------------------------------------------------

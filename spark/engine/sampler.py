@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from spark.engine.sampling import SamplingParams
+from spark.engine.transfer import to_device, upload
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -160,14 +161,16 @@ class _Rows:
                 for p in batch.params
             ],
             dtype=torch.float32,
-        ).to(device)
+        )
+        floats = to_device(floats, device)
         ints = torch.tensor(
             [
                 (p.top_k if 0 < p.top_k < V else 0, p.is_greedy, *key)
                 for p, key in zip(batch.params, row_keys(batch.seeds, batch.steps))
             ],
             dtype=torch.int64,
-        ).to(device)
+        )
+        ints = to_device(ints, device)
         return cls(*floats.T[:, :, None], ints[:, 0:1], ints[:, 1] != 0, ints[:, 2:4])
 
 
@@ -263,8 +266,8 @@ def apply_logit_bias(x: torch.Tensor, params: tuple[SamplingParams, ...]) -> tor
         return x
     if max(token for _, token in cells) >= V:
         raise ValueError(f"logit_bias names a token id >= the vocabulary size {V}")
-    index = torch.tensor(cells, dtype=torch.int64).to(x.device)  # [n, 2]
-    values = torch.tensor([b for p in params for _, b in p.logit_bias], dtype=torch.float32).to(x.device)
+    index = upload(cells, torch.int64, x.device)  # [n, 2]
+    values = upload([b for p in params for _, b in p.logit_bias], torch.float32, x.device)
     bias = torch.zeros(B, V, device=x.device)
     bias[index[:, 0], index[:, 1]] = values
     return x + bias
@@ -318,7 +321,7 @@ def _token_counts(prompts: list, outputs: list, V: int, device: torch.device) ->
     ids = torch.where((ids >= 0) & (ids < V), ids, V)
     flat = ((seq_of % B) * 2 + seq_of // B) * (V + 1) + ids  # into [B, 2, V + 1]
     counts = torch.zeros(B * 2 * (V + 1), device=device)
-    counts.index_add_(0, flat.to(device), torch.ones(len(flat), device=device))
+    counts.index_add_(0, to_device(flat, device), torch.ones(len(flat), device=device))
     return counts.view(B, 2, V + 1)[:, :, :V]
 
 
