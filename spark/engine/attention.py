@@ -28,6 +28,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_pages] int32: pages of each sequence, 0-padded
     decode_only: bool  # every sequence computes exactly one token
     max_query_len: int = 1  # the longest query of the batch (sizes the prefill kernel's grid)
+    num_single: int = 0  # leading sequences with one query token (the decodes of a mixed step)
 
 
 def paged_attention(
@@ -49,15 +50,34 @@ def paged_attention(
     if not kv_written:
         write = kv_write.write_kv_triton if on_gpu else kv_write.write_kv_reference
         write(k, v, k_cache, v_cache, meta.slot_mapping)
-    if on_gpu and meta.decode_only:
-        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     if on_gpu:
-        return prefill_attention.paged_prefill_attention_triton(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len
-        )
+        return attend_triton(q, k_cache, v_cache, meta, scale)
     return pa.paged_attention_reference(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
     )
+
+
+def attend_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """The Triton kernels for a step whose K/V are in the cache. Returns [T, H, Dh].
+
+    Single-token rows take the decode kernel, which reads each KV head once for
+    its whole GQA group; in the prefill kernel each of them would fill a block of
+    query rows alone and read its context once per query head. A mixed step (the
+    decodes first, as plans put them) is split in two: decodes, then prefill chunks.
+    """
+    if meta.decode_only:
+        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    n = meta.num_single
+    prefill = prefill_attention.paged_prefill_attention_triton(
+        q[n:], k_cache, v_cache, meta.query_start_loc[n:] - n, meta.seq_lens[n:], meta.block_tables[n:], scale,
+        meta.max_query_len,
+    )
+    if n == 0:
+        return prefill
+    decode = pa.paged_decode_attention_triton(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale)
+    return torch.cat((decode, prefill))
 
 
 def paged_decode_attention_rope(

@@ -427,6 +427,7 @@ class Engine:
             block_tables=upload([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
             decode_only=decode_only,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            num_single=_leading_single_rows(qsl),
         )
         input_ids = upload(ids, torch.int64, dev)
         for rows, tokens in fixups:  # ids that launched steps are still sampling
@@ -583,6 +584,14 @@ class Engine:
             for i in range(len(prompts)):
                 self.remove_sequence((base, i))
         return results
+
+
+def _leading_single_rows(qsl: list[int]) -> int:
+    """How many sequences at the start of the batch compute one token (query_start_loc[i] == i)."""
+    n = 0
+    while n + 1 < len(qsl) and qsl[n + 1] == n + 1:
+        n += 1
+    return n
 
 
 def _think_tags(tokenizer) -> tuple[int, tuple[int, ...]] | None:

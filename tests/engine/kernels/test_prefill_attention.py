@@ -96,3 +96,27 @@ def test_triton_bf16_cache(bf16_rounds_to_nearest):
     )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
+
+
+def test_a_mixed_step_sends_its_decodes_to_the_decode_kernel():
+    """attend_triton splits a step: leading single-token rows through the GQA-grouped decode
+    kernel, the rest through the prefill kernel; together they equal the reference."""
+    from spark.engine.attention import AttentionMetadata, attend_triton
+
+    rows = [(1, 17), (1, 40), (1, 1), (20, 50), (37, 37), (1, 9)]  # three decodes, two chunks, a late decode
+    q, k_cache, v_cache, qsl, seq_lens, tables, _ = _mixed_batch(rows, 16, 2, 4, 64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((q.shape[0],), -1), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+        decode_only=False, max_query_len=37, num_single=3,
+    )
+    expected = paged_prefill_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125, max_query_len=37)
+    torch.testing.assert_close(attend_triton(q, k_cache, v_cache, meta, 0.125), expected, rtol=2e-4, atol=2e-4)
+
+
+def test_leading_single_rows_are_counted_from_the_start_only():
+    from spark.engine.engine import _leading_single_rows
+
+    assert _leading_single_rows([0, 1, 2, 3, 23, 24]) == 3
+    assert _leading_single_rows([0, 5, 6]) == 0
+    assert _leading_single_rows([0, 1, 2]) == 2
+    assert _leading_single_rows([0]) == 0
