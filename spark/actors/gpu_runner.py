@@ -1,13 +1,19 @@
 """The GPU-runner actor: drives the synchronous engine off the event loop.
 
-Each ``StepWork`` runs in a worker thread, so HTTP, SSE and detokenization
-keep going while the GPU (or the CPU) computes. Only this actor touches the
-engine, so the engine needs no locks.
+The engine steps in a thread of its own (``run_in_thread``), so HTTP, SSE and
+detokenization keep going while the GPU (or the CPU) computes, and the next
+step never waits for a turn of a busy event loop. Only that thread touches the
+engine, so the engine needs no locks. ``run`` drives an async executor instead
+(simulations on a mock clock).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import sys
+import threading
+import time
 from typing import Awaitable, Callable
 
 import trio
@@ -18,6 +24,8 @@ from spark.engine.engine import TokenOutput
 log = logging.getLogger("spark.gpu_runner")
 
 Executor = Callable[[StepWork], Awaitable[list[TokenOutput]]]
+
+_SWITCH_INTERVAL = 0.0005  # seconds
 
 
 def apply_work(engine, work: StepWork) -> list[TokenOutput]:
@@ -41,11 +49,78 @@ def _register(engine, work: StepWork) -> None:
         engine.add_sequence(seq_id, prompt_ids, params)
 
 
-def thread_executor(engine) -> Executor:
-    async def execute(work: StepWork) -> list[TokenOutput]:
-        return await trio.to_thread.run_sync(apply_work, engine, work)
+async def run_in_thread(
+    engine,
+    inbox: trio.MemoryReceiveChannel,
+    outbox: trio.MemorySendChannel,
+    *,
+    capture_next: Callable[[], bool] | None = None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Step ``engine`` in a thread of its own: each ``StepWork`` from ``inbox`` is queued for
+    it at once, and each ``StepResult`` is put straight into ``outbox``, whose buffer must
+    hold every step the scheduler keeps in flight.
 
-    return execute
+    A step that raises fails only the sequences in it. ``capture_next`` (CUDA-graph
+    capture, one bucket per call) runs in the thread whenever no step is waiting.
+    """
+    # The event loop holds the interpreter lock most of the time at hundreds of streams;
+    # by default another thread gets it only every 5 ms, which the engine thread would
+    # pay a few times per step. A shorter interval hands it over within a millisecond.
+    sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
+    works: queue.SimpleQueue = queue.SimpleQueue()
+    thread = threading.Thread(
+        target=_step_loop, args=(engine, works, trio.lowlevel.current_trio_token(), outbox, capture_next),
+        name="spark-engine", daemon=True,
+    )
+    thread.start()
+    try:
+        async with inbox:
+            task_status.started()
+            async for work in inbox:
+                works.put(work)
+    finally:
+        works.put(None)
+        with trio.CancelScope(shield=True):  # the step under way ends before the engine may be unloaded
+            await trio.to_thread.run_sync(thread.join)
+        outbox.close()
+
+
+def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendChannel, capture_next) -> None:
+    capturing = capture_next is not None
+    while True:
+        try:
+            work = works.get_nowait() if capturing else works.get()
+        except queue.Empty:
+            capturing = _capture(capture_next)
+            continue
+        if work is None:
+            return
+        start = time.perf_counter()
+        try:
+            outputs, error = apply_work(engine, work), None
+        except Exception as exc:  # the engine's failure is the requests' failure, not the server's
+            log.exception("engine step failed")
+            outputs, error = [], f"engine step failed: {type(exc).__name__}: {exc}"
+        try:
+            token.run_sync_soon(_deliver, outbox, StepResult(tuple(outputs), time.perf_counter() - start, error))
+        except trio.RunFinishedError:
+            return
+
+
+def _deliver(outbox: trio.MemorySendChannel, result: StepResult) -> None:
+    try:
+        outbox.send_nowait(result)
+    except (trio.ClosedResourceError, trio.BrokenResourceError):
+        pass  # shutting down
+
+
+def _capture(capture_next: Callable[[], bool]) -> bool:
+    try:
+        return capture_next()
+    except Exception:
+        log.exception("CUDA graph capture failed; decoding stays eager")
+        return False
 
 
 async def run(

@@ -36,6 +36,8 @@ __all__ = ["SparkSystem", "SubmitError", "open_system"]
 
 log = logging.getLogger("spark.system")
 
+_DEPTH = 3  # steps the scheduler keeps in flight
+
 
 class SparkSystem:
     """What the HTTP layer holds: ``submit``, the tokenizer, names, limits, health and metrics."""
@@ -95,31 +97,29 @@ async def open_system(
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
     work_send, work_recv = trio.open_memory_channel(1)
-    results_send, results_recv = trio.open_memory_channel(1)
+    # Room for every step in flight: the engine's thread hands results in without waiting.
+    results_send, results_recv = trio.open_memory_channel(_DEPTH)
     stream_send, stream_recv = trio.open_memory_channel(256)
 
     async with trio.open_nursery() as nursery:
+        # Steps planned ahead (``_DEPTH``): the engine runs one, has the next queued (or, in
+        # its own process, launched behind it), and a third covers the event loop's delay
+        # in accounting results at hundreds of streams.
         own_runner = getattr(engine, "run", None)  # an EngineProcess steps (and captures) in its process
-        # Steps planned ahead: with a worker thread, one runs while the next waits. The
-        # engine process runs one, has one launched behind it, and a third covers the
-        # event loop's delay in handing results back at hundreds of streams.
-        depth = 2
-        if execute is None and own_runner is not None:
+        if execute is not None:
+            await nursery.start(gpu_runner.run, execute, work_recv, results_send)
+        elif own_runner is not None:
             await nursery.start(own_runner, work_recv, results_send)
-            depth = 3
         else:
-            capture = None
             can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
-            if execute is None and can_capture is not None and can_capture(config.max_batch_size):
-                capture = engine.capture_next_graph
+            capture = engine.capture_next_graph if can_capture and can_capture(config.max_batch_size) else None
             await nursery.start(
-                functools.partial(gpu_runner.run, capture_next=capture),
-                execute or gpu_runner.thread_executor(engine), work_recv, results_send,
+                functools.partial(gpu_runner.run_in_thread, capture_next=capture), engine, work_recv, results_send,
             )
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
         await nursery.start(functools.partial(
             scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics,
-            depth=depth,
+            depth=_DEPTH,
         ))
         ingress = Ingress(
             admissions_send,
