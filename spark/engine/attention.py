@@ -31,6 +31,14 @@ class AttentionMetadata:
     num_single: int = 0  # leading sequences with one query token (the decodes of a mixed step)
 
 
+def leading_single_rows(query_start_loc: list[int]) -> int:
+    """How many sequences at the start of a batch compute one token (``query_start_loc[i] == i``)."""
+    n = 0
+    while n + 1 < len(query_start_loc) and query_start_loc[n + 1] == n + 1:
+        n += 1
+    return n
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, Dh]
     k: torch.Tensor,  # [T, Hkv, Dh]

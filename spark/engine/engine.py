@@ -1,13 +1,15 @@
-"""The synchronous engine: one ``step(plan)`` computes one flat batch of tokens.
+"""The synchronous engine: ``launch(plan)`` queues one flat batch of tokens, ``collect()`` reads it back.
 
 The caller (the scheduler actor, or ``generate`` below) decides what runs: a
 ``StepPlan`` names, per sequence, how many of its tokens to compute now and the
 pages that hold them. Prefill, chunked prefill and decode are one case: a
 sequence whose computed tokens catch up with its known tokens samples its next
-token. The engine keeps each sequence's tokens and sampling state, never its
-pages: pages belong to whoever owns the ``PageAllocator``.
+token. The engine keeps each sequence's tokens and sampling state
+(``sequence.py``), never its pages: pages belong to whoever owns the
+``PageAllocator``. ``step`` is ``launch`` then ``collect``; keeping two steps
+launched lets the host prepare step N+1 while the device runs step N.
 
-No trio here; the GPU-runner actor calls ``step`` from a worker thread.
+No trio here; the GPU-runner actor drives it from a thread or a process of its own.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from typing import Hashable, Sequence as Seq
 import attrs
 import torch
 
-from spark.engine.attention import AttentionMetadata
+from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
 from spark.engine.models.llama import LlamaModel, rope_inv_freq
 from spark.engine.page_allocator import PageAllocator
-from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
+from spark.engine.sampler import Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
-from spark.engine.transfer import upload
+from spark.engine.sequence import Sequence, think_tags
+from spark.engine.transfer import HostCopy, upload
 
 log = logging.getLogger("spark.engine")
 
@@ -63,72 +66,13 @@ class TokenOutput:
 
 
 @attrs.define(eq=False)
-class _Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_ids: list[int] = attrs.Factory(list)
-    num_computed: int = 0
-    thinking: bool = False  # inside <think>...</think> now
-    thinking_tokens: int = 0  # reasoning tokens generated so far
-    forced: list[int] = attrs.Factory(list)  # tokens the engine writes next instead of sampling
-    # Launched steps that will sample this sequence's next tokens, oldest first, as
-    # (step, row): their tokens exist only on the device until the step is collected.
-    pending: deque = attrs.Factory(deque)
-    ended: bool = False  # a collected step finished it (while later launched steps still held it)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens known on the host: the prompt and the collected outputs."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def num_planned(self) -> int:
-        """Tokens a plan may compute up to: the known ones and those launched steps will sample."""
-        return self.num_tokens + len(self.pending)
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """The next sample depends on the previous tokens' values on the host (penalties, forcing)."""
-        return self.params.has_penalties or bool(self.forced) or self.params.thinking_budget is not None
-
-    def token(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
-
 class _Launched:
-    """A step queued on the device: who samples, and the samples until they are read back."""
+    """A step queued on the device: who samples, and its samples until they are read back."""
 
-    def __init__(self, seq_ids: list[Hashable]):
-        self.seq_ids = seq_ids  # one per sampled row, in plan order
-        self.result: SampleOutput | None = None
-        self.token_ids: torch.Tensor | None = None  # [N] on the device: the next step's inputs read it
-        self._host: list[torch.Tensor | None] = []
-        self._ready = None  # a CUDA event after the copies to the host
-        self.outputs: list[TokenOutput] | None = None  # once completed
-
-    def sampled(self, result: SampleOutput) -> None:
-        """Start copying the samples to the host without waiting for them."""
-        self.result, self.token_ids = result, result.token_ids
-        tensors = (result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs)
-        if result.token_ids.is_cuda:
-            self._host = [None if t is None else _to_pinned(t) for t in tensors]
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host = list(tensors)
-
-    def read(self) -> tuple[list, list | None, list | None, list | None]:
-        """(token ids, chosen logprobs, top ids, top logprobs) as lists; waits for the device."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return tuple(None if t is None else t.tolist() for t in self._host)
-
-
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+    seq_ids: list[Hashable]  # one per sampled row, in plan order
+    token_ids: torch.Tensor | None = None  # [N] on the device: the next step's inputs read it
+    samples: HostCopy | None = None  # token ids, chosen logprobs, top ids, top logprobs
+    outputs: list[TokenOutput] | None = None  # once completed
 
 
 def _default_device() -> torch.device:
@@ -163,9 +107,9 @@ class Engine:
         self.eos_token_ids = frozenset(
             self.config.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         )
-        self._seqs: dict[Hashable, _Sequence] = {}
+        self._seqs: dict[Hashable, Sequence] = {}
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
-        self.think_tags = _think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
+        self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         self._seed_rng = random.Random()
         self._inflight: deque[_Launched] = deque()  # launched, not yet collected, oldest first
         self._ended: OrderedDict[Hashable, None] = OrderedDict()  # recently ended ids: plans may still name them
@@ -246,17 +190,15 @@ class Engine:
         if bad_bias:
             raise ValueError(f"logit_bias token id {bad_bias[0]} outside the vocabulary (size {self.config.vocab_size})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        self._seqs[seq_id] = _Sequence(list(prompt_ids), params, seed, thinking=params.starts_in_thinking)
+        self._seqs[seq_id] = Sequence(list(prompt_ids), params, seed, thinking=params.starts_in_thinking)
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         """Forget a sequence (finished sequences are forgotten on their own).
 
         A launched step that still holds it computes its row anyway; the token is dropped.
         """
-        if self._seqs.pop(seq_id, None) is not None:
-            self._ended[seq_id] = None
-            while len(self._ended) > _MAX_ENDED:
-                self._ended.popitem(last=False)
+        if seq_id in self._seqs:
+            self._forget(seq_id)
 
     def reset_computed(self, seq_id: Hashable) -> None:
         """The sequence lost its pages (preempted): recompute all its tokens from the next step on."""
@@ -302,13 +244,12 @@ class Engine:
         if any(self._waits_on_host(c) for c in plan.chunks):
             self._complete_all()  # penalties and forced tokens need the previous tokens on the host
         ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
-        feeds: dict[int, tuple[list[int], list[int]]] = {}  # id(step) -> (rows of ids, rows of its tokens)
-        sources: dict[int, _Launched] = {}
+        feeds: dict[_Launched, tuple[list[int], list[int]]] = {}  # launched step -> (rows of ids, rows of its tokens)
         kept: list[ScheduledChunk] = []
         page_size = self.page_size
         for chunk in plan.chunks:
             s = self._live(chunk.seq_id)
-            if s is None or self._ends_before(s):
+            if s is None or s.ends_by_length_before(self.max_model_len):
                 continue
             start, end = s.num_computed, s.num_computed + chunk.num_tokens
             if chunk.num_tokens < 1 or end > s.num_planned:
@@ -321,8 +262,7 @@ class Engine:
                     ids.append(s.token(pos))
                 else:  # sampled by a launched step: read on the device
                     launched, row = s.pending[pos - known]
-                    dst, src = feeds.setdefault(id(launched), ([], []))
-                    sources[id(launched)] = launched
+                    dst, src = feeds.setdefault(launched, ([], []))
                     dst.append(len(ids))
                     src.append(row)
                     ids.append(0)
@@ -341,8 +281,8 @@ class Engine:
             return
         dev = self.device
         fixups = [
-            (upload(dst, torch.int64, dev), sources[key].token_ids.index_select(0, upload(src, torch.int64, dev)))
-            for key, (dst, src) in feeds.items()
+            (upload(dst, torch.int64, dev), launched.token_ids.index_select(0, upload(src, torch.int64, dev)))
+            for launched, (dst, src) in feeds.items()
         ]
         decode_only = len(ids) == len(kept)
         tables = [list(c.block_table) for c in kept]
@@ -367,7 +307,9 @@ class Engine:
             seeds=tuple(s.seed for s in seqs),
             steps=tuple(len(s.output_ids) + len(s.pending) for s in seqs),
         )
-        step.sampled(self.sampler(logits, batch))
+        result = self.sampler(logits, batch)
+        step.token_ids = result.token_ids
+        step.samples = HostCopy((result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs))
         for row, s in enumerate(seqs):
             s.pending.append((step, row))
 
@@ -390,7 +332,7 @@ class Engine:
             if step.outputs is None:
                 step.outputs = self._complete(step)
 
-    def _live(self, seq_id: Hashable) -> _Sequence | None:
+    def _live(self, seq_id: Hashable) -> Sequence | None:
         """The sequence a chunk names, or None when it ended (a planner may not know yet)."""
         s = self._seqs.get(seq_id)
         if s is None:
@@ -398,13 +340,6 @@ class Engine:
                 return None
             raise ValueError(f"unknown sequence {seq_id!r}")
         return None if s.ended else s
-
-    def _ends_before(self, s: _Sequence) -> bool:
-        """A launched step will end ``s`` by length, so nothing after it may be computed."""
-        if not s.pending:
-            return False
-        outputs = len(s.output_ids) + len(s.pending)
-        return outputs >= s.params.max_tokens or s.num_planned >= self.max_model_len
 
     def _waits_on_host(self, chunk: ScheduledChunk) -> bool:
         s = self._seqs.get(chunk.seq_id)
@@ -427,7 +362,7 @@ class Engine:
             block_tables=upload([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
             decode_only=decode_only,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-            num_single=_leading_single_rows(qsl),
+            num_single=leading_single_rows(qsl),
         )
         input_ids = upload(ids, torch.int64, dev)
         for rows, tokens in fixups:  # ids that launched steps are still sampling
@@ -458,11 +393,11 @@ class Engine:
         """Capture one more decode graph; False when there is nothing left to capture."""
         return self.graphs is not None and self.graphs.capture_next()
 
-    def _complete(self, step: "_Launched") -> list[TokenOutput]:
+    def _complete(self, step: _Launched) -> list[TokenOutput]:
         """Read a launched step's samples back (the one host sync of a step) and advance its sequences."""
-        if step.result is None:
+        if step.samples is None:
             return []
-        token_ids, chosen_lp, top_ids, top_lp = step.read()
+        token_ids, chosen_lp, top_ids, top_lp = step.samples.read()
         outputs = []
         for row, (seq_id, token) in enumerate(zip(step.seq_ids, token_ids)):
             s = self._seqs.get(seq_id)
@@ -473,13 +408,10 @@ class Engine:
                 if not s.pending:
                     self._forget(seq_id)
                 continue  # a step launched before the end was known: its token is dropped
-            if s.forced:
-                token = s.forced.pop(0)
-            s.output_ids.append(token)
-            self._track_thinking(s, token)
+            token, reason = s.accept(token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                                     think_tags=self.think_tags)
             k = s.params.logprobs
             top = tuple(zip(top_ids[row][:k], top_lp[row][:k])) if k and top_ids is not None else ()
-            reason = self._finish_reason(s, token)
             if reason is not None:
                 s.ended = True
                 if not s.pending:
@@ -490,29 +422,6 @@ class Engine:
                 top_logprobs=top, finish_reason=reason,
             ))
         return outputs
-
-    def _track_thinking(self, s: _Sequence, token: int) -> None:
-        """Count reasoning tokens; past the budget, queue the closing tag so the answer starts."""
-        if self.think_tags is None:
-            return
-        start_id, end_ids = self.think_tags
-        if token == start_id:
-            s.thinking = True
-        elif token == end_ids[0]:
-            s.thinking = False
-        elif s.thinking:
-            s.thinking_tokens += 1
-            budget = s.params.thinking_budget
-            if budget is not None and s.thinking_tokens >= budget:
-                s.forced = list(end_ids)
-                s.thinking = False
-
-    def _finish_reason(self, s: _Sequence, token: int) -> str | None:
-        if token in s.params.stop_token_ids or (token in self.eos_token_ids and not s.params.ignore_eos):
-            return "stop"
-        if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     # -- convenience ------------------------------------------------------
     def generate(
@@ -584,24 +493,6 @@ class Engine:
             for i in range(len(prompts)):
                 self.remove_sequence((base, i))
         return results
-
-
-def _leading_single_rows(qsl: list[int]) -> int:
-    """How many sequences at the start of the batch compute one token (query_start_loc[i] == i)."""
-    n = 0
-    while n + 1 < len(qsl) and qsl[n + 1] == n + 1:
-        n += 1
-    return n
-
-
-def _think_tags(tokenizer) -> tuple[int, tuple[int, ...]] | None:
-    """The ids of <think> and of "</think>\n\n" when the vocabulary has both tags as tokens."""
-    if tokenizer is None:
-        return None
-    start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
-    if start is None or end is None:
-        return None
-    return start, (end, *tokenizer.encode("\n\n"))
 
 
 def _load_tokenizer(source):

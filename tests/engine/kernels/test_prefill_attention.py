@@ -114,9 +114,9 @@ def test_a_mixed_step_sends_its_decodes_to_the_decode_kernel():
 
 
 def test_leading_single_rows_are_counted_from_the_start_only():
-    from spark.engine.engine import _leading_single_rows
+    from spark.engine.attention import leading_single_rows
 
-    assert _leading_single_rows([0, 1, 2, 3, 23, 24]) == 3
-    assert _leading_single_rows([0, 5, 6]) == 0
-    assert _leading_single_rows([0, 1, 2]) == 2
-    assert _leading_single_rows([0]) == 0
+    assert leading_single_rows([0, 1, 2, 3, 23, 24]) == 3
+    assert leading_single_rows([0, 5, 6]) == 0
+    assert leading_single_rows([0, 1, 2]) == 2
+    assert leading_single_rows([0]) == 0
