@@ -276,9 +276,12 @@ class Engine:
             kept.append(chunk)
 
         step = _Launched(samplers)
-        self._inflight.append(step)
-        if not kept:
-            return
+        if kept:
+            self._queue(step, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds)
+        self._inflight.append(step)  # only once queued: a launch that raised leaves nothing to collect
+
+    def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds) -> None:
+        """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device."""
         dev = self.device
         fixups = [
             (upload(dst, torch.int64, dev), launched.token_ids.index_select(0, upload(src, torch.int64, dev)))
@@ -293,11 +296,11 @@ class Engine:
             logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fixups)
         for chunk in kept:
             self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
-        if not samplers:
+        if not step.seq_ids:
             return
         if len(sample_rows) != logits.shape[0]:
             logits = logits[upload(sample_rows, torch.int64, dev)]
-        seqs = [self._seqs[i] for i in samplers]
+        seqs = [self._seqs[i] for i in step.seq_ids]
         batch = SamplingBatch(
             params=tuple(s.params for s in seqs),
             token_histories=tuple(

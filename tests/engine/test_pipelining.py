@@ -107,3 +107,22 @@ def test_step_refuses_to_run_beside_launched_steps(engine):
     engine.remove_sequence("x")
     with pytest.raises(RuntimeError, match="collect"):
         engine.collect()
+
+
+def test_a_launch_that_raises_leaves_nothing_to_collect(engine, monkeypatch):
+    """A failed forward (say, out of memory) fails that step only: the engine keeps stepping."""
+    ids = engine.tokenizer.encode(PROMPT)
+    alloc = engine.new_page_allocator()
+    engine.add_sequence("oom", ids, SamplingParams(temperature=0, max_tokens=2))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_forward_eager", fail)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.step(StepPlan((ScheduledChunk("oom", len(ids), alloc.allocate("oom", len(ids))),)))
+    assert engine.num_inflight == 0
+    (out,) = engine.step(StepPlan((ScheduledChunk("oom", len(ids), alloc.append("oom", len(ids))),)))
+    assert out.seq_id == "oom" and out.finish_reason is None
+    engine.remove_sequence("oom")
