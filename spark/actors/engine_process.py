@@ -23,7 +23,8 @@ from typing import Any
 import attrs
 import trio
 
-from spark.actors.messages import StepResult, StepWork
+from spark.actors.gpu_runner import capture_one, register_work, step_failure
+from spark.actors.messages import StepResult
 from spark.engine.page_allocator import PageAllocator
 
 log = logging.getLogger("spark.engine_process")
@@ -137,7 +138,6 @@ async def _forward(inbox: trio.MemoryReceiveChannel, sends: queue.SimpleQueue) -
 
 def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
     """The engine process: load, report, then step and capture until told to stop."""
-    from spark.actors.gpu_runner import register_work
     from spark.engine.engine import Engine
     from spark.engine.errors import ModelLoadError
 
@@ -161,11 +161,7 @@ def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
             last_done = _answer(conn, engine, inflight.popleft(), last_done)
             continue
         if capturing and not inflight and not conn.poll():
-            try:
-                capturing = engine.capture_next_graph()
-            except Exception:
-                log.exception("CUDA graph capture failed; decoding stays eager")
-                capturing = False
+            capturing = capture_one(engine.capture_next_graph)
             continue
         try:
             work = conn.recv()
@@ -178,8 +174,7 @@ def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
             register_work(engine, work)
             error = None
         except Exception as exc:
-            log.exception("engine step failed")
-            error = f"engine step failed: {type(exc).__name__}: {exc}"
+            error = step_failure(exc)
         inflight.append((launched, error))
         while len(inflight) > 1:
             last_done = _answer(conn, engine, inflight.popleft(), last_done)
@@ -193,8 +188,7 @@ def _answer(conn, engine, launched: tuple[float, str | None], last_done: float) 
         try:
             outputs = engine.collect()
         except Exception as exc:
-            log.exception("engine step failed")
-            error = f"engine step failed: {type(exc).__name__}: {exc}"
+            error = step_failure(exc)
     done = time.perf_counter()
     # The device time of a pipelined step: from when it could start (launched, and the
     # one before it done) to its end.

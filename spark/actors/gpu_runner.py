@@ -92,16 +92,15 @@ def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendC
         try:
             work = works.get_nowait() if capturing else works.get()
         except queue.Empty:
-            capturing = _capture(capture_next)
+            capturing = capture_one(capture_next)
             continue
         if work is None:
             return
         start = time.perf_counter()
         try:
             outputs, error = apply_work(engine, work), None
-        except Exception as exc:  # the engine's failure is the requests' failure, not the server's
-            log.exception("engine step failed")
-            outputs, error = [], f"engine step failed: {type(exc).__name__}: {exc}"
+        except Exception as exc:
+            outputs, error = [], step_failure(exc)
         try:
             token.run_sync_soon(_deliver, outbox, StepResult(tuple(outputs), time.perf_counter() - start, error))
         except trio.RunFinishedError:
@@ -115,7 +114,8 @@ def _deliver(outbox: trio.MemorySendChannel, result: StepResult) -> None:
         pass  # shutting down
 
 
-def _capture(capture_next: Callable[[], bool]) -> bool:
+def capture_one(capture_next: Callable[[], bool]) -> bool:
+    """Capture one more CUDA graph; False when all are (or capture failed: decoding stays eager)."""
     try:
         return capture_next()
     except Exception:
@@ -123,52 +123,31 @@ def _capture(capture_next: Callable[[], bool]) -> bool:
         return False
 
 
+def step_failure(exc: Exception) -> str:
+    """Log a step that raised; the error its requests end with (the engine's failure, not the server's)."""
+    log.exception("engine step failed")
+    return f"engine step failed: {type(exc).__name__}: {exc}"
+
+
 async def run(
     execute: Executor,
     inbox: trio.MemoryReceiveChannel,
     outbox: trio.MemorySendChannel,
     *,
-    capture_next: Callable[[], bool] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run each ``StepWork`` from ``inbox`` and answer a ``StepResult`` on ``outbox``.
+    """Run each ``StepWork`` from ``inbox`` with ``execute`` (an async executor: simulations
+    on a mock clock) and answer a ``StepResult`` on ``outbox``.
 
     A step that raises fails only the sequences in it: the error goes back to
-    the scheduler, and the runner keeps serving. ``capture_next`` (the engine's
-    CUDA-graph capture, one bucket per call) runs whenever no step is waiting,
-    so serving starts at once and graphs take over as they become ready.
+    the scheduler, and the runner keeps serving.
     """
-    capturing = capture_next is not None
     async with inbox, outbox:
         task_status.started()
-        while True:
-            if capturing:
-                try:
-                    work = inbox.receive_nowait()
-                except trio.WouldBlock:
-                    capturing = await _capture_one(capture_next)
-                    continue
-                except trio.EndOfChannel:
-                    return
-            else:
-                try:
-                    work = await inbox.receive()
-                except trio.EndOfChannel:
-                    return
+        async for work in inbox:
             start = trio.current_time()
             try:
-                outputs = await execute(work)
-                error = None
-            except Exception as exc:  # the engine's failure is the requests' failure, not the server's
-                log.exception("engine step failed")
-                outputs, error = [], f"engine step failed: {type(exc).__name__}: {exc}"
+                outputs, error = await execute(work), None
+            except Exception as exc:
+                outputs, error = [], step_failure(exc)
             await outbox.send(StepResult(tuple(outputs), trio.current_time() - start, error))
-
-
-async def _capture_one(capture_next: Callable[[], bool]) -> bool:
-    """Capture one more graph off the event loop; False when done (or capture failed: stay eager)."""
-    try:
-        return await trio.to_thread.run_sync(capture_next)
-    except Exception:
-        log.exception("CUDA graph capture failed; decoding stays eager")
-        return False
