@@ -60,13 +60,16 @@ def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
             decode()
         torch.cuda.synchronize()
     per_family: dict[str, float] = collections.defaultdict(float)
+    per_kernel: dict[str, float] = {}
     count = 0
     for evt in prof.key_averages():
         us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         if us <= 0:
             continue
         per_family[family(evt.key)] += us / steps
+        per_kernel[evt.key[:60]] = us / steps
         count += evt.count
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
     total = sum(per_family.values())
     matmul_us = per_family.get("matmul", 0.0)
     return {
@@ -75,6 +78,7 @@ def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
         "us_per_step_by_family": {k: round(v, 1) for k, v in sorted(per_family.items(), key=lambda kv: -kv[1])},
         "matmul_bandwidth_frac": round(weight_bytes / (matmul_us * 1e-6) / BANDWIDTH, 3) if matmul_us else None,
         "floor_us": round(weight_bytes / BANDWIDTH * 1e6, 1),
+        "top_kernels_us": {k: round(v, 1) for k, v in top},
     }
 
 
