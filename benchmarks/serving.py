@@ -148,6 +148,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
     raise RuntimeError("server did not become healthy")
 
 
+def step_totals(url: str) -> dict[str, float]:
+    """The server's step histograms so far: ``<name>_sum`` and ``<name>_count`` of each."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        if family.name.startswith("spark_step_"):
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")):
+                    totals[sample.name] = sample.value
+    return totals
+
+
+def step_shape(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Steps taken between two ``step_totals``, and their mean time, decode rows and prefill tokens."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = delta.get("spark_step_seconds_count", 0.0)
+
+    def mean(name: str, scale: float = 1.0) -> float | None:
+        return round(scale * delta.get(name + "_sum", 0.0) / steps, 2) if steps else None
+
+    return {"steps": int(steps), "step_ms_mean": mean("spark_step_seconds", 1000.0),
+            "decode_rows_mean": mean("spark_step_decode_rows"), "prefill_tokens_mean": mean("spark_step_prefill_tokens")}
+
+
 def offline(model: str, prompts: list[list[int]], new: int, batch: int) -> float:
     import torch
 
@@ -194,7 +220,9 @@ def main() -> int:
         wait_healthy(url, server)
         time.sleep(args.settle)  # let the background CUDA-graph capture finish before timing
         spread_load(url, prompts[: args.clients], args.clients, 8, args.load_procs)  # warm-up
+        before = step_totals(url)
         result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
+        steps = step_shape(before, step_totals(url))
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -215,13 +243,16 @@ def main() -> int:
         "errors": len(result["errors"]),
         "tokens_per_chunk": round(result["output_tokens"] / max(1, result["chunks"]), 2),
         "load_procs": args.load_procs,
+        "server_steps": steps,
     }
     if result["errors"]:
         print("errors, e.g.:", sorted(set(result["errors"]))[:5])
     print(json.dumps(entry))
     print(f"serving {serving_tok_s:.0f} tok/s, offline {offline_tok_s:.0f} tok/s, ratio {entry['ratio_to_offline']}; "
           f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; "
-          f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk")
+          f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk; "
+          f"{steps['steps']} steps of {steps['step_ms_mean']} ms, {steps['decode_rows_mean']} decode rows and "
+          f"{steps['prefill_tokens_mean']} prefill tokens on average")
     with open(args.out, "w") as f:
         json.dump(entry, f, indent=1)
     return 0

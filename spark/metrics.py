@@ -6,6 +6,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+_ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
+_PREFILL_BUCKETS = (0, 128, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -28,3 +32,13 @@ class Metrics:
         self.kv_pages_total = Gauge("spark_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.prompt_tokens = Counter("spark_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("spark_generation_tokens", "Tokens generated", registry=r)
+        # What each engine step held and took: the shape of the batches explains throughput.
+        self.step_seconds = Histogram(
+            "spark_step_seconds", "Time between consecutive engine step results", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.step_decode_rows = Histogram(
+            "spark_step_decode_rows", "Sequences decoding one token in a step", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.step_prefill_tokens = Histogram(
+            "spark_step_prefill_tokens", "Prompt tokens computed in a step", buckets=_PREFILL_BUCKETS, registry=r
+        )

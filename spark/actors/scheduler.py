@@ -96,7 +96,7 @@ async def run(
                 _update_gauges(state, metrics)
                 continue
             result: StepResult = await from_runner.receive()
-            await _account(state, inflight.popleft(), result, to_streamer)
+            await _account(state, inflight.popleft(), result, to_streamer, metrics)
             _update_gauges(state, metrics)
 
 
@@ -159,7 +159,7 @@ async def _receive_or_wake(admissions, state: _State):
     return await admissions.receive()
 
 
-async def _account(state: _State, planned, result: StepResult, to_streamer) -> None:
+async def _account(state: _State, planned, result: StepResult, to_streamer, metrics: Metrics) -> None:
     policy = state.policy
     now = trio.current_time()
     if result.error is not None:
@@ -169,6 +169,7 @@ async def _account(state: _State, planned, result: StepResult, to_streamer) -> N
                 await to_streamer.send(Failed(p.seq.request_id, result.error))
         return
     policy.on_step_done(planned, (o.seq_id for o in result.outputs), now, result.seconds)
+    _observe_step(planned, result, metrics)
     outputs = tuple(o for o in result.outputs if o.seq_id in state.active)  # not cancelled meanwhile
     for out in outputs:
         if out.finish_reason is not None:
@@ -177,6 +178,18 @@ async def _account(state: _State, planned, result: StepResult, to_streamer) -> N
             state.active.discard(out.seq_id)
     if outputs:
         await to_streamer.send(TokenBatch(outputs, now))
+
+
+def _observe_step(planned, result: StepResult, metrics: Metrics) -> None:
+    """Record the step's time and shape. A pipelined plan names sequences that ended one
+    step before; the engine skips them, so only rows that gave a token count."""
+    sampled = {o.seq_id for o in result.outputs}
+    rows = sum(1 for p in planned if p.num_tokens == 1 and p.seq.request_id in sampled)
+    prefill = sum(p.num_tokens for p in planned if p.num_tokens > 1)
+    if rows or prefill:
+        metrics.step_seconds.observe(result.seconds)
+        metrics.step_decode_rows.observe(rows)
+        metrics.step_prefill_tokens.observe(prefill)
 
 
 async def _unblock(state: _State, to_streamer) -> None:

@@ -33,6 +33,22 @@ def test_health_models_metrics(server):
     assert server.client().models.retrieve("sparky").id == server.model
 
 
+def test_step_metrics_describe_the_batches(server):
+    """One prompt and its decode: the step histograms count its prompt tokens and its decode rows."""
+    with server.http() as http:
+        steps = _metric(http, "spark_step_seconds_count")
+        prefill = _metric(http, "spark_step_prefill_tokens_sum")
+        rows = _metric(http, "spark_step_decode_rows_sum")
+        body = {"model": server.model, "prompt": "Count: 1, 2, 3,", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        out = http.post("/v1/completions", json=body).json()
+        prompt_tokens = out["usage"]["prompt_tokens"]
+        # The prompt in one chunk samples the first token; five decode steps give the rest.
+        assert _metric(http, "spark_step_prefill_tokens_sum") - prefill == prompt_tokens
+        assert _metric(http, "spark_step_decode_rows_sum") - rows == 5
+        assert _metric(http, "spark_step_seconds_count") - steps == 6
+
+
 def _open_and_drop_a_stream(http, model: str) -> None:
     """Start a long streamed completion, read a few events, and hang up."""
     body = {"model": model, "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
