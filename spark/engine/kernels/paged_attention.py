@@ -12,6 +12,7 @@ launches, and folding the rope + KV-write launch into attention saves one per la
 import functools
 import math
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +23,7 @@ from spark.engine.kernels import rope
 # that only ever calls the references may not have triton at all.
 triton = None
 tl = None
+_attend_block = None  # the shared key-loop step, jitted with the kernels
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -33,6 +35,32 @@ _BLOCK_N = 64
 _TARGET_PROGRAMS = 264
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 32
+
+
+@attrs.frozen
+class DecodeConfig:
+    """How the decode kernel walks keys.
+
+    Attributes:
+      block_n: keys per step of the online softmax.
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the key loop on a GPU: the page ids and
+        K/V of the next steps are in flight while this one computes. A decode program
+        walks a short context serially, so without it every step waits out a round trip
+        to memory for its page ids and then one for its keys. 0 keeps a plain loop
+        (the interpreter's only choice).
+    """
+
+    block_n: int = _BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def interpreting(kernel) -> bool:
+    """Whether ``kernel`` runs in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
 
 
 def paged_attention_reference(
@@ -126,6 +154,7 @@ def paged_decode_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context (Triton, online softmax).
 
@@ -145,11 +174,12 @@ def paged_decode_attention_triton(
       seq_lens: `[B]` int32 context lengths, the new token included (0: output zeros).
       scale: softmax scale.
       num_splits: partitions per sequence; None picks them from the batch shape.
+      config: how the kernel walks keys; None is `DecodeConfig()`.
 
     Returns:
       `[B, H, D]` in q's dtype.
     """
-    return _launch_decode(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    return _launch_decode(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config)
 
 
 def paged_decode_attention_rope_reference(
@@ -186,6 +216,7 @@ def paged_decode_attention_rope_triton(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Rope, KV write and decode attention in one launch (plus the reduce when split).
 
@@ -211,6 +242,7 @@ def paged_decode_attention_rope_triton(
       seq_lens: `[B]` int32 context lengths, the new token included.
       scale: softmax scale.
       num_splits: partitions per sequence; None picks them from the batch shape.
+      config: how the kernel walks keys; None is `DecodeConfig()`.
 
     Returns:
       `[B, H, D]` in q's dtype.
@@ -219,10 +251,10 @@ def paged_decode_attention_rope_triton(
     assert v.shape == k.shape and q.shape[0] == batch and q.shape[2] == head_dim and head_dim % 2 == 0
     assert inv_freq.shape == (head_dim // 2,) and positions.shape == slot_mapping.shape == (batch,)
     rope_args = (k, v, positions, inv_freq, slot_mapping)
-    return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config)
 
 
-def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits):
+def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config):
     """Launch the decode kernel (with rope + KV write when `rope_args` is given) and the reduce."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -235,11 +267,14 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     if batch == 0:
         return out
     decode_kernel, reduce_kernel = _kernels()
+    cfg = config or DecodeConfig()
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
-    # fp32 caches keep exact fp32 dots; bf16/fp16 values are exact in tf32, so tf32
-    # products lose nothing on the scores and only round p (as a bf16 cast of p would).
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p
+    # is rounded to it for PV, as in flash-attention). fp32 caches and the interpreter,
+    # which mishandles dot and arithmetic on bf16, use fp32 tiles with exact products.
+    interpreted = interpreting(decode_kernel)
+    half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not interpreted
     split = num_splits > 1
     if split:
         partial_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -255,8 +290,9 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
         *k_cache.stride(), block_tables.stride(0), *out.stride(),
         scale * math.log2(math.e), group, head_dim, num_splits,
-        PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        SPLIT=split, PRECISION=precision, ROPE=rope_args is not None,
+        PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+        SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
+        NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps,
     )
     if split:
         reduce_kernel[(batch, num_heads)](
@@ -293,6 +329,41 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global _attend_block
+
+    @triton.jit
+    def _attend_block(
+        q, m_i, l_i, acc, n0, kv_end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+        stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One online-softmax step over keys [n0, n0 + BLOCK_N) below `kv_end`, gathered
+        through the block-table row `table`; query row r sees keys <= `last_key[r]`.
+        Shared by the decode and the prefill kernels. Returns the new (m_i, l_i, acc)."""
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < kv_end
+        # Gather token by token: any page size, any page order. Masked keys read
+        # neither the block table past the sequence's pages nor the cache.
+        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        kv_off = page * stride_cp + (keys % PAGE_SIZE) * stride_co + kv_head * stride_ch
+        kv_off = kv_off[:, None] + dims[None, :] * stride_cd
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if not HALF_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # Scale after the dot so that half operands are not rounded a second time; scores
+        # come out in log2 units, so exp2 below is exp of the scaled score.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
+        s = tl.where((keys[None, :] <= last_key[:, None]) & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
     @triton.jit
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
@@ -303,7 +374,8 @@ def _kernels():
         stride_bt, stride_ob, stride_oh, stride_od,
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+        SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -360,42 +432,38 @@ def _kernels():
             end = tl.minimum(end, seq_len - 1)
         else:
             q = tl.load(q_src + dims[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
-        q = q * qk_scale_log2  # scores come out in log2 units: exp2 below is exp of the scaled score
-
         # Running max of the scores, finite: exp2(m_old - m_new) stays 1, not NaN, while a
         # program has seen only masked keys (or none, in an empty partition).
         m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        # A while loop, not `for n0 in range(start, end, BLOCK_N)`: the Triton 3.6 interpreter
-        # turns runtime loop bounds into Python ints with int(1-element array), which
-        # numpy >= 2.4 rejects, and the tests run this kernel in the interpreter.
-        n0 = start
-        while n0 < end:
-            keys = n0 + tl.arange(0, BLOCK_N)
-            key_ok = keys < end
-            # Gather token by token: any page size, any page order.
-            page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-            kv_off = page * stride_cp + (keys % PAGE_SIZE) * stride_co + kv_head * stride_ch
-            kv_off = kv_off[:, None] + dims[None, :] * stride_cd
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m_i = m_new
-            n0 += BLOCK_N
+        q_dot = q
+        if HALF_DOT:
+            q_dot = q.to(k_cache_ptr.dtype.element_ty)
+        last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1  # every row sees the whole partition
+        if NUM_STAGES > 0:
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = _attend_block(
+                    q_dot, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+        else:
+            # A while loop, not `for n0 in range(start, end, BLOCK_N)`: the Triton 3.6
+            # interpreter turns runtime loop bounds into Python ints with int(1-element
+            # array), which numpy >= 2.4 rejects, and the tests run this kernel there.
+            n0 = start
+            while n0 < end:
+                m_i, l_i, acc = _attend_block(
+                    q_dot, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+                n0 += BLOCK_N
 
         if ROPE:
             # One more online-softmax step for the new token, from registers; a no-op
             # (score -inf: alpha 1, p 0) in every program but its owner.
-            s = tl.sum(q * k_new.to(tl.float32), axis=1)  # [BLOCK_G]
+            s = tl.sum(q * k_new.to(tl.float32), axis=1) * qk_scale_log2  # [BLOCK_G]
             s = tl.where(owner, s, float("-inf"))
             m_new = tl.maximum(m_i, s)
             alpha = tl.exp2(m_i - m_new)

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from spark.engine.kernels import paged_attention as pa
 from spark.engine.kernels.paged_attention import paged_attention_reference
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
@@ -59,6 +60,7 @@ def paged_prefill_attention_triton(
     *,
     block_m: int = _BLOCK_M,
     block_n: int = _BLOCK_N,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Causal attention for a flat mixed batch of prefill chunks and decode tokens (Triton).
 
@@ -78,6 +80,7 @@ def paged_prefill_attention_triton(
       scale: softmax scale, usually `D ** -0.5`.
       max_query_len: at least the largest q_len in the batch (a host-side int).
       block_m, block_n: tile sizes, each a power of two >= 16 (tests shrink them).
+      num_stages: software-pipelining depth of the key loop on a GPU (0: a plain loop).
 
     Returns:
       `[T, H, D]` in q's dtype, contiguous; rows outside every sequence are zero.
@@ -97,7 +100,8 @@ def paged_prefill_attention_triton(
     # p is rounded to that dtype for PV, as in flash-attention). fp32 caches and the
     # interpreter, which mishandles dot and arithmetic on bf16, use fp32 tiles with exact
     # "ieee" products ("tf32" is the default for half operands, where it changes nothing).
-    half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not _interpreting(kernel)
+    interpreted = pa.interpreting(kernel)
+    half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not interpreted
     kernel[(batch, triton.cdiv(max_query_len, block_m), num_heads)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
@@ -105,15 +109,11 @@ def paged_prefill_attention_triton(
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee",
+        # Pipelined on a GPU: the next key blocks' page ids and K/V load while this one computes.
+        NUM_STAGES=0 if interpreted else num_stages,
         num_warps=8 if head_dim > 128 else 4,
     )
     return out
-
-
-def _interpreting(kernel) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel, InterpretedFunction)
 
 
 @functools.cache
@@ -124,6 +124,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    pa._kernels()  # jits the key-loop step the kernel shares with decode
+
     @triton.jit
     def prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
@@ -132,7 +134,7 @@ def _kernel():
         stride_bt, stride_ot, stride_oh, stride_od,
         qk_scale_log2, group, head_dim,
         PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         seq, q_block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -169,36 +171,21 @@ def _kernel():
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Keys past the block's last valid position are masked for every row: stop there.
         kv_end = context_start + tl.minimum(first_row + BLOCK_M, q_len)
-        # A while loop, not `for n0 in range(0, kv_end, BLOCK_N)`: the Triton 3.6 interpreter
-        # turns runtime loop bounds into Python ints with int(1-element array), which
-        # numpy >= 2.4 rejects, and the tests run this kernel in the interpreter.
-        n0 = 0
-        while n0 < kv_end:
-            keys = n0 + tl.arange(0, BLOCK_N)
-            key_ok = keys < kv_end
-            # Gather token by token: any page size, any page order. Masked keys read
-            # neither the block table past its row's pages nor the cache.
-            page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-            kv_off = page * stride_cp + (keys % PAGE_SIZE) * stride_co + kv_head * stride_ch
-            kv_off = kv_off[:, None] + dims[None, :] * stride_cd
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if not HALF_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            # Scale after the dot so bf16 operands are not rounded a second time; scores
-            # come out in log2 units, so exp2 below is exp of the scaled score.
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
-            # Causal mask; it also hides keys >= kv_end from every valid row.
-            s = tl.where(keys[None, :] <= query_pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-            n0 += BLOCK_N
+        if NUM_STAGES > 0:
+            for n0 in tl.range(0, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = pa._attend_block(
+                    q, m_i, l_i, acc, n0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+        else:
+            # A while loop, not `for n0 in range(0, kv_end, BLOCK_N)`: see the decode kernel.
+            n0 = 0
+            while n0 < kv_end:
+                m_i, l_i, acc = pa._attend_block(
+                    q, m_i, l_i, acc, n0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+                n0 += BLOCK_N
 
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context (seq_len 0): zeros
         o_off = tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od

@@ -1,0 +1,162 @@
+"""Decode and prefill attention kernels, timed alone over a sweep of launch configs (GPU).
+
+    python benchmarks/attention_bench.py [--quick] [--out attention.json]
+
+Each case builds a paged bf16 cache with random pages (page size 16, as the engine),
+checks the kernel against its torch reference once, then times it with
+`triton.testing.do_bench` (L2 flushed before every call, as in a real step where the
+weights stream through L2 between two layers' attention; median of the runs).
+Decode runs the rope + KV-write variant the decode graphs use. Prints one line per
+(case, config) and, per case, the fastest config against the default one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+
+import torch
+
+PAGE = 16
+# (name, heads, kv heads, head dim, batch, context)
+DECODE_CASES = [
+    ("8b-b1-ctx192", 32, 8, 128, 1, 192),
+    ("8b-b1-ctx2048", 32, 8, 128, 1, 2048),
+    ("8b-b64-ctx192", 32, 8, 128, 64, 192),
+    ("8b-b256-ctx640", 32, 8, 128, 256, 640),
+    ("smollm-b1-ctx192", 9, 3, 64, 1, 192),
+    ("smollm-b64-ctx192", 9, 3, 64, 64, 192),
+]
+# (name, heads, kv heads, head dim, sequences, new tokens each, context before them)
+PREFILL_CASES = [
+    ("8b-4x512", 32, 8, 128, 4, 512, 0),
+    ("8b-1x512-after-1024", 32, 8, 128, 1, 512, 1024),
+    ("8b-16x512", 32, 8, 128, 16, 512, 0),
+]
+
+
+def paged_cache(batch: int, context: int, kv_heads: int, head_dim: int, spare_tokens: int = 16):
+    """A shuffled page pool holding `batch` sequences of `context` tokens (+ room for the next one)."""
+    pages_per_seq = -(-(context + spare_tokens) // PAGE)
+    num_pages = batch * pages_per_seq + 1
+    k_cache = torch.randn(num_pages, PAGE, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_pages - 1, device="cuda")[: batch * pages_per_seq] + 1
+    tables = order.view(batch, pages_per_seq).to(torch.int32)
+    return k_cache, v_cache, tables
+
+
+def time_us(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1000.0
+
+
+def decode_case(case, configs) -> list[dict]:
+    from spark.engine.kernels import paged_attention as pa
+
+    name, heads, kv_heads, head_dim, batch, context = case
+    k_cache, v_cache, tables = paged_cache(batch, context, kv_heads, head_dim)
+    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
+    positions = seq_lens.long() - 1
+    slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    splits = pa.choose_num_splits(batch, kv_heads, tables.shape[1] * PAGE)
+    scale = head_dim**-0.5
+    args = (q, k, v, positions, inv_freq, k_cache, v_cache, slots, tables, seq_lens, scale)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    want = pa.paged_decode_attention_rope_reference(q, k, v, positions, inv_freq, kc, vc, slots, tables, seq_lens, scale)
+    kv_bytes = 2 * batch * (context + 1) * kv_heads * head_dim * 2
+    rows = []
+    for cfg in configs:
+        try:
+            got = pa.paged_decode_attention_rope_triton(*args, num_splits=splits, config=cfg)
+            err = (got.float() - want.float()).abs().max().item()
+            us = time_us(lambda: pa.paged_decode_attention_rope_triton(*args, num_splits=splits, config=cfg))
+        except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
+            print(f"{name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        rows.append({"kernel": "decode_rope", "case": name, "splits": splits, "block_n": cfg.block_n,
+                     "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "us": round(us, 2),
+                     "kv_tb_s": round(kv_bytes / us / 1e6, 3), "max_abs_err": round(err, 4)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def prefill_case(case, configs) -> list[dict]:
+    from spark.engine.kernels import prefill_attention as pf
+
+    name, heads, kv_heads, head_dim, seqs, new, before = case
+    context = before + new
+    k_cache, v_cache, tables = paged_cache(seqs, context, kv_heads, head_dim)
+    q = torch.randn(seqs * new, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(0, seqs + 1, device="cuda", dtype=torch.int32) * new
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    want = pf.paged_prefill_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, scale, new)
+    # causal FLOPs: each new token i attends to before + i + 1 keys; QK and PV
+    flops = 4 * heads * head_dim * seqs * sum(before + i + 1 for i in range(new))
+    rows = []
+    for block_m, block_n, stages in configs:
+        def run():
+            return pf.paged_prefill_attention_triton(q, k_cache, v_cache, qsl, seq_lens, tables, scale, new,
+                                                     block_m=block_m, block_n=block_n, num_stages=stages)
+        try:
+            err = (run().float() - want.float()).abs().max().item()
+            us = time_us(run)
+        except Exception as exc:
+            print(f"{name} {(block_m, block_n, stages)}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        rows.append({"kernel": "prefill", "case": name, "block_m": block_m, "block_n": block_n, "num_stages": stages,
+                     "us": round(us, 2), "tflop_s": round(flops / us / 1e6, 1), "max_abs_err": round(err, 4)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def summarize(rows: list[dict], default: dict) -> None:
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case]
+        best = min(mine, key=lambda r: r["us"])
+        base = next((r for r in mine if all(r[k] == v for k, v in default[r["kernel"]].items())), None)
+        knobs = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages") if k in best}
+        print(f"{case:24s} best {best['us']:8.2f} us {knobs}  default {base['us'] if base else '-'} us")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the default configs only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from spark.engine.kernels.paged_attention import DecodeConfig
+
+    default = DecodeConfig()
+    if args.quick:
+        decode_configs = [default, DecodeConfig(num_stages=0)]
+        prefill_configs = [(64, 64, 3), (64, 64, 0)]
+    else:
+        decode_configs = [DecodeConfig(block_n=n, num_warps=w, num_stages=s)
+                          for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (0, 2, 3))]
+        prefill_configs = list(itertools.product((64, 128), (32, 64, 128), (0, 2, 3)))
+    torch.manual_seed(0)
+    rows = []
+    for case in DECODE_CASES:
+        rows += decode_case(case, decode_configs)
+    for case in PREFILL_CASES:
+        rows += prefill_case(case, prefill_configs)
+    summarize(rows, {"decode_rope": {"block_n": default.block_n, "num_warps": default.num_warps,
+                                     "num_stages": default.num_stages},
+                     "prefill": {"block_m": 64, "block_n": 64, "num_stages": 3}})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"bench": "attention", "rows": rows}, f, indent=1)
+    return 0 if all(math.isfinite(r["max_abs_err"]) and r["max_abs_err"] < 0.05 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
