@@ -2,17 +2,18 @@
 
     python benchmarks/attention_bench.py [--quick] [--out attention.json]
 
-Each case builds a paged bf16 cache with random pages (page size 16, as the engine),
-checks the kernel against its torch reference once, then times it with
-`triton.testing.do_bench` (L2 flushed before every call, as in a real step where the
-weights stream through L2 between two layers' attention; median of the runs).
-Decode runs the rope + KV-write variant the decode graphs use. Prints one line per
+Each case builds a paged bf16 cache with random pages (page size 16, as the engine)
+and checks the kernel against its torch reference once. Decode runs the rope +
+KV-write variant the decode graphs use, timed in a CUDA graph over copies of the
+cache too large for L2 together (`graph_time_us`); prefill is timed with
+`triton.testing.do_bench` (L2 flushed before every call). Medians throughout. Prints one line per
 (case, config) and, per case, the fastest config against the default one.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -55,11 +56,43 @@ def time_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1000.0
 
 
+def graph_time_us(calls) -> float:
+    """Median time of one call, replaying all of ``calls`` back to back in one CUDA graph.
+
+    A decode kernel at batch 1 takes a few microseconds, less than a launch from Python:
+    timed one launch at a time it would measure the launcher. In a graph, as in the
+    engine's decode graphs, only the GPU's own time (and the gaps between kernels) count.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compiles outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(9):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
 def decode_case(case, configs) -> list[dict]:
     from spark.engine.kernels import paged_attention as pa
 
     name, heads, kv_heads, head_dim, batch, context = case
     k_cache, v_cache, tables = paged_cache(batch, context, kv_heads, head_dim)
+    # Copies of the cache, one per call in the timing graph, about 128 MB in all: a real
+    # step reads each layer's cache once, after the weights have flushed it from L2.
+    copies = max(1, min(512, -(-(128 << 20) // (2 * k_cache.numel() * k_cache.element_size()))))
+    caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)]
     seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
     positions = seq_lens.long() - 1
     slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
@@ -67,18 +100,21 @@ def decode_case(case, configs) -> list[dict]:
     k = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
-    splits = pa.choose_num_splits(batch, kv_heads, tables.shape[1] * PAGE)
+    auto_splits = pa.choose_num_splits(batch, kv_heads, tables.shape[1] * PAGE)
     scale = head_dim**-0.5
-    args = (q, k, v, positions, inv_freq, k_cache, v_cache, slots, tables, seq_lens, scale)
     kc, vc = k_cache.clone(), v_cache.clone()
     want = pa.paged_decode_attention_rope_reference(q, k, v, positions, inv_freq, kc, vc, slots, tables, seq_lens, scale)
     kv_bytes = 2 * batch * (context + 1) * kv_heads * head_dim * 2
     rows = []
-    for cfg in configs:
+    for cfg, splits in configs(batch):
+        splits = splits or auto_splits
+
+        def call(kv=(k_cache, v_cache), cfg=cfg, splits=splits):
+            return pa.paged_decode_attention_rope_triton(q, k, v, positions, inv_freq, *kv, slots, tables, seq_lens,
+                                                         scale, num_splits=splits, config=cfg)
         try:
-            got = pa.paged_decode_attention_rope_triton(*args, num_splits=splits, config=cfg)
-            err = (got.float() - want.float()).abs().max().item()
-            us = time_us(lambda: pa.paged_decode_attention_rope_triton(*args, num_splits=splits, config=cfg))
+            err = (call().float() - want.float()).abs().max().item()
+            us = graph_time_us([functools.partial(call, kv) for kv in caches])
         except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
             print(f"{name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
@@ -124,7 +160,7 @@ def summarize(rows: list[dict], default: dict) -> None:
         mine = [r for r in rows if r["case"] == case]
         best = min(mine, key=lambda r: r["us"])
         base = next((r for r in mine if all(r[k] == v for k, v in default[r["kernel"]].items())), None)
-        knobs = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages") if k in best}
+        knobs = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "splits") if k in best}
         print(f"{case:24s} best {best['us']:8.2f} us {knobs}  default {base['us'] if base else '-'} us")
 
 
@@ -137,12 +173,17 @@ def main() -> int:
 
     default = DecodeConfig()
     if args.quick:
-        decode_configs = [default, DecodeConfig(num_stages=0)]
-        prefill_configs = [(64, 64, 3), (64, 64, 0)]
+        def decode_configs(batch):
+            return [(default, None), (DecodeConfig(num_stages=0), None)]
+        prefill_configs = [(64, 64, 2), (64, 64, 0)]
     else:
-        decode_configs = [DecodeConfig(block_n=n, num_warps=w, num_stages=s)
-                          for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (0, 2, 3))]
-        prefill_configs = list(itertools.product((64, 128), (32, 64, 128), (0, 2, 3)))
+        def decode_configs(batch):
+            if batch == 1:  # few programs: splitting the context is the other way to parallelism
+                return [(DecodeConfig(block_n=n, num_warps=w, num_stages=s), splits)
+                        for n, w, s, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (None, 2, 4))]
+            return [(DecodeConfig(block_n=n, num_warps=w, num_stages=s), None)
+                    for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (0, 2, 3))]
+        prefill_configs = list(itertools.product((64,), (32, 64), (0, 2, 3)))
     torch.manual_seed(0)
     rows = []
     for case in DECODE_CASES:
@@ -151,7 +192,7 @@ def main() -> int:
         rows += prefill_case(case, prefill_configs)
     summarize(rows, {"decode_rope": {"block_n": default.block_n, "num_warps": default.num_warps,
                                      "num_stages": default.num_stages},
-                     "prefill": {"block_m": 64, "block_n": 64, "num_stages": 3}})
+                     "prefill": {"block_m": 64, "block_n": 64, "num_stages": 2}})
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bench": "attention", "rows": rows}, f, indent=1)

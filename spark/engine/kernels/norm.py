@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from spark.engine.kernels import launch
+
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
 # that only ever calls the references may not have triton at all.
@@ -98,7 +100,7 @@ def _launch(x, residual, weight, eps):
             dim, eps,
             HAS_RESIDUAL=has_residual, BLOCK_D=block_d,
             # ~8-16 fp32 elements of the row per thread; 8 warps carry D = 8192 at 32 each.
-            num_warps=min(max(block_d // 512, 1), 8),
+            num_warps=min(max(block_d // 512, 1), 8), **launch.pdl(kernel, x),
         )
     return out.view(shape), (residual_out.view(shape) if has_residual else None)
 
@@ -110,14 +112,18 @@ def _kernel():
     global triton, tl
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     @triton.jit
     def rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         stride_xt, stride_xd, stride_rt, stride_rd, stride_w,
         dim, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # the rows come from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # One program per row, the whole row in registers: the mean square needs every
         # element before any can be written, and D <= 8192 fits (32 fp32 per thread at 8
         # warps), so each element is read once and written once, with no second pass.

@@ -16,7 +16,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from spark.engine.kernels import rope
+from spark.engine.kernels import launch, rope
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -54,13 +54,6 @@ class DecodeConfig:
     block_n: int = _BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
-
-
-def interpreting(kernel) -> bool:
-    """Whether ``kernel`` runs in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel, InterpretedFunction)
 
 
 def paged_attention_reference(
@@ -273,7 +266,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p
     # is rounded to it for PV, as in flash-attention). fp32 caches and the interpreter,
     # which mishandles dot and arithmetic on bf16, use fp32 tiles with exact products.
-    interpreted = interpreting(decode_kernel)
+    interpreted = launch.interpreting(decode_kernel)
     half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not interpreted
     split = num_splits > 1
     if split:
@@ -292,12 +285,12 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
-        NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps,
+        NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps, **launch.pdl(decode_kernel, q),
     )
     if split:
         reduce_kernel[(batch, num_heads)](
             partial_max, partial_sum, partial_out, out, *out.stride(), head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **launch.pdl(reduce_kernel, q),
         )
     return out
 
@@ -328,6 +321,7 @@ def _kernels():
     global triton, tl
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     global _attend_block
 
@@ -375,8 +369,11 @@ def _kernels():
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # everything below reads what earlier kernels wrote
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
         # This program's keys [start, end): partitions rounded up to whole BLOCK_N steps;
@@ -488,8 +485,11 @@ def _kernels():
     def reduce_kernel(
         partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr,
         stride_ob, stride_oh, stride_od, head_dim, num_splits,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         seq, head = tl.program_id(0), tl.program_id(1)
         splits = tl.arange(0, BLOCK_S)
         dims = tl.arange(0, BLOCK_D)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from spark.engine.kernels import paged_attention as pa
+from spark.engine.kernels import launch, paged_attention as pa
 from spark.engine.kernels.paged_attention import paged_attention_reference
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
@@ -60,7 +60,7 @@ def paged_prefill_attention_triton(
     *,
     block_m: int = _BLOCK_M,
     block_n: int = _BLOCK_N,
-    num_stages: int = 3,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention for a flat mixed batch of prefill chunks and decode tokens (Triton).
 
@@ -80,7 +80,8 @@ def paged_prefill_attention_triton(
       scale: softmax scale, usually `D ** -0.5`.
       max_query_len: at least the largest q_len in the batch (a host-side int).
       block_m, block_n: tile sizes, each a power of two >= 16 (tests shrink them).
-      num_stages: software-pipelining depth of the key loop on a GPU (0: a plain loop).
+      num_stages: software-pipelining depth of the key loop on a GPU (0: a plain loop);
+        2 was fastest in `benchmarks/attention_bench.py` on an H200 for 512-token chunks.
 
     Returns:
       `[T, H, D]` in q's dtype, contiguous; rows outside every sequence are zero.
@@ -100,7 +101,7 @@ def paged_prefill_attention_triton(
     # p is rounded to that dtype for PV, as in flash-attention). fp32 caches and the
     # interpreter, which mishandles dot and arithmetic on bf16, use fp32 tiles with exact
     # "ieee" products ("tf32" is the default for half operands, where it changes nothing).
-    interpreted = pa.interpreting(kernel)
+    interpreted = launch.interpreting(kernel)
     half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not interpreted
     kernel[(batch, triton.cdiv(max_query_len, block_m), num_heads)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,

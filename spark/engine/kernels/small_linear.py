@@ -24,6 +24,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from spark.engine.kernels import launch
+
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
 # that only ever calls the reference may not have triton at all.
@@ -192,7 +194,7 @@ def small_linear_triton(
         UNROLL_STATS=block_m * k <= 64 * 32 * cfg.num_warps,
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
     return out
 
@@ -204,6 +206,7 @@ def _kernel():
     global triton, tl
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     @triton.jit
     def small_linear_kernel(
@@ -214,8 +217,11 @@ def _kernel():
         K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, UNROLL_STATS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # x and the residual come from earlier kernels
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         dtype = out_ptr.dtype.element_ty
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M

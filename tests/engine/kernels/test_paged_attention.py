@@ -304,3 +304,12 @@ def test_decode_rope_reference_is_rope_write_then_decode():
     q_rot = rope_and_write_kv_reference(*rope_args, k_ref, v_ref, slots)
     assert torch.equal(out, paged_decode_attention_reference(q_rot, k_ref, v_ref, block_tables, seq_lens, 0.1))
     torch.testing.assert_close((k_cache, v_cache), (k_ref, v_ref), rtol=0, atol=0, equal_nan=True)
+
+
+def test_pdl_is_off_off_the_gpu():
+    """Interpreted or on the CPU, a kernel never gets the Hopper-only launch attribute."""
+    from spark.engine.kernels import launch, small_linear
+
+    kernel = small_linear._kernel()
+    assert launch.interpreting(kernel)
+    assert launch.pdl(kernel, torch.zeros(1)) == {"PDL": False}

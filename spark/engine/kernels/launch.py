@@ -1,0 +1,40 @@
+"""What every Triton launcher here asks about the device before a launch.
+
+Programmatic dependent launch (Hopper and later): a kernel launched with it may be
+scheduled while the kernel before it in the stream is still running, and waits
+(`griddepcontrol.wait`) before touching anything that kernel wrote. Decode at small
+batch is a chain of short kernels, each paying a launch and a ramp-up that the
+previous kernel's tail can hide; the CUDA graphs of decode keep the dependency
+edges. ``SPARK_PDL=0`` turns it off (for measuring it, or for a driver that
+mishandles it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting(kernel) -> bool:
+    """Whether ``kernel`` runs in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("SPARK_PDL", "1") != "0"
+
+
+def pdl(kernel, x: torch.Tensor) -> dict:
+    """Launch arguments for a kernel that takes a ``PDL`` constexpr: ``PDL=True`` and
+    ``launch_pdl=True`` on a Hopper GPU, ``PDL=False`` elsewhere (the interpreter too).
+
+    A kernel with ``PDL`` set must call `wait_for_previous` before its first load of
+    anything an earlier kernel wrote, and before its first store.
+    """
+    on = x.is_cuda and not interpreting(kernel) and _pdl_device(x.device.index or torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
