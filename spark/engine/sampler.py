@@ -109,7 +109,7 @@ class Sampler:
         any_penalty = any(p.has_penalties for p in params)
         all_greedy = all(p.is_greedy for p in params)
         if all_greedy and not (any_bias or any_penalty or top_logprobs is not None):
-            return SampleOutput(token_ids=x.argmax(dim=-1))
+            return SampleOutput(token_ids=greedy_tokens(x))
 
         rows = _Rows.build(batch, V, logits.device)
         if any_bias:
@@ -117,7 +117,7 @@ class Sampler:
         if any_penalty:
             x = _penalize(x, rows, params, batch.token_histories)
         if all_greedy:
-            tokens = x.argmax(dim=-1)
+            tokens = greedy_tokens(x)
         else:
             tokens = _draw(_filter(x, rows, params), rows)
             if any(p.is_greedy for p in params):
@@ -172,6 +172,31 @@ class _Rows:
         )
         ints = to_device(ints, device)
         return cls(*floats.T[:, :, None], ints[:, 0:1], ints[:, 1] != 0, ints[:, 2:4])
+
+
+def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of ``[B, V]`` scores: the first index of each row's maximum.
+
+    On a GPU, a few rows are scanned in chunks by many blocks: torch's argmax gives each
+    row a single block, which took 28 us over Llama 3's 128k vocabulary on an H200,
+    0.6% of a batch-1 step of the 8B model.
+    """
+    B, V = x.shape
+    chunks = next(c for c in range(64, 0, -1) if V % c == 0)
+    if not x.is_cuda or B > 16 or chunks == 1:
+        return x.argmax(dim=-1)
+    return chunked_argmax(x, chunks)
+
+
+def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``x.argmax(-1)`` in two passes: the first maximum of each of ``chunks`` equal
+    slices of a row, then the first slice holding the row's maximum (NaN counts as the
+    maximum, as in ``torch.argmax``). ``chunks`` must divide the row length."""
+    B, V = x.shape
+    width = V // chunks
+    best, index = x.reshape(B, chunks, width).max(dim=-1)  # [B, chunks]
+    chunk = best.argmax(dim=-1, keepdim=True)  # [B, 1]
+    return (index.gather(1, chunk) + chunk * width).squeeze(1)
 
 
 def _unseeded(params: tuple[SamplingParams, ...]) -> SamplingBatch:

@@ -31,9 +31,10 @@ _MIN_GROUP_ROWS = 16
 # Keys per inner-loop step; pages are gathered token by token, so it need not match page_size.
 _BLOCK_N = 64
 # Split-KV heuristic: aim for this many programs in flight (about 2 per H200 SM), and
-# give every partition at least this many keys so that the reduce stays cheap.
+# give every partition at least one key block. At batch 1 on an H200, a 192-token
+# context took 8.3 us unsplit and 5.6 us in 4 partitions (benchmarks/attention_bench.py).
 _TARGET_PROGRAMS = 264
-_MIN_KEYS_PER_SPLIT = 256
+_MIN_KEYS_PER_SPLIT = _BLOCK_N
 _MAX_SPLITS = 32
 
 
@@ -53,7 +54,13 @@ class DecodeConfig:
 
     block_n: int = _BLOCK_N
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    """The fastest config of `benchmarks/attention_bench.py` on an H200 (bf16, page size
+    16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2."""
+    return DecodeConfig(num_warps=4 if head_dim >= 128 else 2)
 
 
 def paged_attention_reference(
@@ -167,7 +174,7 @@ def paged_decode_attention_triton(
       seq_lens: `[B]` int32 context lengths, the new token included (0: output zeros).
       scale: softmax scale.
       num_splits: partitions per sequence; None picks them from the batch shape.
-      config: how the kernel walks keys; None is `DecodeConfig()`.
+      config: how the kernel walks keys; None picks it by `decode_config`.
 
     Returns:
       `[B, H, D]` in q's dtype.
@@ -235,7 +242,7 @@ def paged_decode_attention_rope_triton(
       seq_lens: `[B]` int32 context lengths, the new token included.
       scale: softmax scale.
       num_splits: partitions per sequence; None picks them from the batch shape.
-      config: how the kernel walks keys; None is `DecodeConfig()`.
+      config: how the kernel walks keys; None picks it by `decode_config`.
 
     Returns:
       `[B, H, D]` in q's dtype.
@@ -260,7 +267,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     if batch == 0:
         return out
     decode_kernel, reduce_kernel = _kernels()
-    cfg = config or DecodeConfig()
+    cfg = config or decode_config(head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
     # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p

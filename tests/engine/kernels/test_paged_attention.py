@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from spark.engine.kernels.paged_attention import (
+    DecodeConfig,
     choose_num_splits,
+    decode_config,
     paged_attention_reference,
     paged_decode_attention_reference,
     paged_decode_attention_rope_reference,
@@ -161,14 +163,16 @@ def test_decode_triton_empty_context_gives_zeros(num_splits):
 
 
 def test_choose_num_splits():
-    # A batch that alone fills the GPU, or short contexts: no split.
+    # A batch that alone fills the GPU, or a context of one key block: no split.
     assert choose_num_splits(batch=256, num_kv_heads=8, max_context=32768) == 1
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=256) == 1
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=64) == 1
+    # Batch 1 splits even a short context: a few programs would each walk it serially.
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=256) == 4
     # One long sequence: split, capped.
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=4096) == 16
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=4096) == 32
     assert choose_num_splits(batch=1, num_kv_heads=1, max_context=1 << 20) == 32
     # Never more partitions than a minimum-size partition allows.
-    assert choose_num_splits(batch=2, num_kv_heads=2, max_context=1024) == 4
+    assert choose_num_splits(batch=2, num_kv_heads=2, max_context=1024) == 16
 
 
 def _decode_step(context_lens, page_size, num_kv_heads, group, head_dim, dtype=torch.float32, cache_dtype=None, seed=0):
@@ -313,3 +317,8 @@ def test_pdl_is_off_off_the_gpu():
     kernel = small_linear._kernel()
     assert launch.interpreting(kernel)
     assert launch.pdl(kernel, torch.zeros(1)) == {"PDL": False}
+
+
+def test_decode_config_follows_head_dim():
+    assert decode_config(128) == DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+    assert decode_config(64).num_warps == 2
