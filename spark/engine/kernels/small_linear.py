@@ -31,7 +31,6 @@ from spark.engine.kernels import launch
 # that only ever calls the reference may not have triton at all.
 triton = None
 tl = None
-_accumulate = None  # the kernel's per-tile step, jitted with it
 
 MAX_ROWS = 16
 _PLAIN, _NORM, _GATED = 0, 1, 2
@@ -209,35 +208,6 @@ def _kernel():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _accumulate
-
-    @triton.jit
-    def _accumulate(acc, w, k, x_rows, row_ok, stride_xk, norm_w_ptr, rstd, out_ptr,
-                    K: tl.constexpr, PROLOGUE: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-        """acc += pro(x[:, k]) * w (the weight tile of columns k); returns acc."""
-        dtype = out_ptr.dtype.element_ty
-        x_mask = row_ok[:, None] & (k < K)[None, :]
-        # Prologue in fp32 (the interpreter mishandles bf16 arithmetic), rounded to
-        # x's dtype where the unfused ops round. Masked lanes load 0 and give 0.
-        if PROLOGUE == 2:
-            gate = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + (k + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-            a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-        else:
-            a = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0)
-            if PROLOGUE == 1:
-                g = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                normed = (a.to(tl.float32) * rstd[:, None]).to(dtype)
-                a = (normed.to(tl.float32) * g[None, :]).to(dtype)
-        if USE_DOT:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        elif DEFER_REDUCE:
-            acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-        else:
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        return acc
-
     @triton.jit
     def small_linear_kernel(
         x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr,
@@ -249,6 +219,10 @@ def _kernel():
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, UNROLL_STATS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # x and the residual come from earlier kernels
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        dtype = out_ptr.dtype.element_ty
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,18 +233,6 @@ def _kernel():
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         ks = tl.arange(0, BLOCK_K)
 
-        # The first weight tile is loaded before waiting on the previous kernel: no kernel
-        # writes weights, and under PDL these loads overlap that kernel's tail, hiding
-        # this kernel's ramp-up (the first round trip to memory) behind it.
-        if EVEN_K:
-            w_first = tl.load(w_rows + ks[None, :])  # [BN, BK]
-        else:
-            w_first = tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-        if PDL:  # x and the residual come from earlier kernels
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-
-        rstd = tl.zeros([BLOCK_M], tl.float32)
         if PROLOGUE == 1:
             # Each program computes the rows' rms itself: x is a few KB, read from L2,
             # cheaper than a launch that would share it. Per-lane sums, reduced once; and
@@ -295,20 +257,34 @@ def _kernel():
             # Per-lane partial sums, reduced across K once after the loop: the loop body
             # is loads and FMAs only, no shuffles or shared-memory round trips per step.
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        acc = _accumulate(acc, w_first, ks, x_rows, row_ok, stride_xk, norm_w_ptr, rstd, out_ptr,
-                          K, PROLOGUE, USE_DOT, DEFER_REDUCE, DOT_PRECISION)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
+            x_mask = row_ok[:, None] & (k < K)[None, :]
+            # Prologue in fp32 (the interpreter mishandles bf16 arithmetic), rounded to
+            # x's dtype where the unfused ops round. Masked lanes load 0 and give 0.
+            if PROLOGUE == 2:
+                gate = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+                up = tl.load(x_rows + (k + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+                a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+            else:
+                a = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0)
+                if PROLOGUE == 1:
+                    g = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                    normed = (a.to(tl.float32) * rstd[:, None]).to(dtype)
+                    a = (normed.to(tl.float32) * g[None, :]).to(dtype)
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :])  # [BN, BK]
             else:
                 w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-            acc = _accumulate(acc, w, k, x_rows, row_ok, stride_xk, norm_w_ptr, rstd, out_ptr,
-                              K, PROLOGUE, USE_DOT, DEFER_REDUCE, DOT_PRECISION)
+            if USE_DOT:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            elif DEFER_REDUCE:
+                acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+            else:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if not USE_DOT and DEFER_REDUCE:
             acc = tl.sum(acc, axis=2)
 
-        dtype = out_ptr.dtype.element_ty
         y = acc.to(dtype)
         out_mask = row_ok[:, None] & col_ok[None, :]
         if HAS_RESIDUAL:
