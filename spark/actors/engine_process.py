@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from spark.actors.gpu_runner import capture_one, register_work, step_failure
+from spark.actors.gpu_runner import capture_one, deliver, hand_over, register_work, step_failure
 from spark.actors.messages import StepResult
 from spark.engine.page_allocator import PageAllocator
 
@@ -90,15 +90,16 @@ class EngineProcess:
         sends: queue.SimpleQueue = queue.SimpleQueue()
         sender = threading.Thread(target=self._send_loop, args=(sends,), name="spark-engine-send", daemon=True)
         sender.start()
+        exited = trio.Event()
+        receiver = threading.Thread(target=self._recv_loop, args=(trio.lowlevel.current_trio_token(), outbox, exited),
+                                    name="spark-engine-recv", daemon=True)
         try:
             async with inbox, outbox, trio.open_nursery() as nursery:
-                nursery.start_soon(_forward, inbox, sends)
+                nursery.start_soon(hand_over, inbox, sends)
+                receiver.start()
                 task_status.started()
-                while True:
-                    reply = await trio.to_thread.run_sync(self._recv, abandon_on_cancel=True)
-                    if reply is None:
-                        raise RuntimeError("the engine process exited")
-                    await outbox.send(reply)
+                await exited.wait()
+                raise RuntimeError("the engine process exited")
         finally:
             sends.put(None)
 
@@ -109,11 +110,23 @@ class EngineProcess:
             except (OSError, EOFError):
                 return  # the process is gone; the receiving side reports it
 
-    def _recv(self) -> StepResult | None:
+    def _recv_loop(self, token, outbox: trio.MemorySendChannel, exited: trio.Event) -> None:
+        """Put each ``StepResult`` from the pipe straight into ``outbox`` (a thread: no task
+        of the event loop stands between the engine and the scheduler); set ``exited`` when
+        the process is gone. ``outbox`` holds every step in flight, so it never fills."""
+        while True:
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                token.run_sync_soon(deliver, outbox, reply)
+            except trio.RunFinishedError:
+                return
         try:
-            return self._conn.recv()
-        except (EOFError, OSError):
-            return None
+            token.run_sync_soon(exited.set)
+        except trio.RunFinishedError:
+            pass
 
     def unload(self) -> None:
         """Free the model (a profile switch): the process and all its memory go."""
@@ -129,11 +142,6 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
-
-
-async def _forward(inbox: trio.MemoryReceiveChannel, sends: queue.SimpleQueue) -> None:
-    async for work in inbox:
-        sends.put(work)
 
 
 def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:

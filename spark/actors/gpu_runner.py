@@ -77,13 +77,27 @@ async def run_in_thread(
     try:
         async with inbox:
             task_status.started()
-            async for work in inbox:
-                works.put(work)
+            await hand_over(inbox, works)
     finally:
         works.put(None)
         with trio.CancelScope(shield=True):  # the step under way ends before the engine may be unloaded
             await trio.to_thread.run_sync(thread.join)
         outbox.close()
+
+
+async def hand_over(inbox: trio.MemoryReceiveChannel, works: queue.SimpleQueue) -> None:
+    """Put each ``StepWork`` from ``inbox`` into ``works`` for a thread, until ``inbox`` ends.
+
+    Everything waiting is taken in one turn of the event loop: a ``receive`` per step
+    would wait for every other runnable task each time.
+    """
+    async for work in inbox:
+        works.put(work)
+        while True:
+            try:
+                works.put(inbox.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
 
 
 def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendChannel, capture_next) -> None:
@@ -102,12 +116,13 @@ def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendC
         except Exception as exc:
             outputs, error = [], step_failure(exc)
         try:
-            token.run_sync_soon(_deliver, outbox, StepResult(tuple(outputs), time.perf_counter() - start, error))
+            token.run_sync_soon(deliver, outbox, StepResult(tuple(outputs), time.perf_counter() - start, error))
         except trio.RunFinishedError:
             return
 
 
-def _deliver(outbox: trio.MemorySendChannel, result: StepResult) -> None:
+def deliver(outbox: trio.MemorySendChannel, result: StepResult) -> None:
+    """Put a result into the scheduler's channel (called in the event loop from a thread)."""
     try:
         outbox.send_nowait(result)
     except (trio.ClosedResourceError, trio.BrokenResourceError):

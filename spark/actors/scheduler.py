@@ -65,21 +65,32 @@ async def run(
         nursery.start_soon(_listen_for_cancels, cancels, state)
         task_status.started()
         while True:
+            # One turn of this loop waits at most once. Every await of a trio channel is a
+            # checkpoint, and a checkpoint waits for every other runnable task: with
+            # hundreds of streams writing their tokens that is milliseconds, which a step
+            # per await would pay several times over. So results, admissions and plans are
+            # taken and handed on without waiting while channels allow.
+            while inflight:
+                try:
+                    result: StepResult = from_runner.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                await _account(state, inflight.popleft(), result, to_streamer, metrics)
             _apply_cancels(state)
             _update_gauges(state, metrics)
             await _admit(state, admissions, to_streamer, block=policy.num_active == 0 and not inflight)
             _apply_cancels(state)
             metrics.requests_waiting.set(admissions.statistics().current_buffer_used + len(policy.waiting))
-            planned = []
-            if len(inflight) < depth:
+            while len(inflight) < depth:
                 now = trio.current_time()
                 planned = policy.schedule(now)
                 state.reset.extend(policy.preempted)
+                if not planned:
+                    break
                 for p in planned:
                     if p.seq.started == now and p.num_tokens == p.seq.num_computed:  # its first chunk
                         metrics.queue_time.observe(now - p.seq.arrival)
-            if planned:
-                await to_runner.send(StepWork(
+                await _hand_on(to_runner, StepWork(
                     StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned)),
                     added=tuple(state.added), removed=tuple(state.removed), reset=tuple(state.reset),
                 ))
@@ -88,16 +99,21 @@ async def run(
                 state.reset.clear()
                 inflight.append(planned)
                 metrics.requests_running.set(len(planned))
-                if len(inflight) < depth:
-                    await trio.sleep(0)  # let results, cancels and admissions in before planning ahead
-                    continue
-            elif not inflight:
+            if not inflight:
                 await _unblock(state, to_streamer)
                 _update_gauges(state, metrics)
                 continue
-            result: StepResult = await from_runner.receive()
+            result = await from_runner.receive()
             await _account(state, inflight.popleft(), result, to_streamer, metrics)
             _update_gauges(state, metrics)
+
+
+async def _hand_on(channel: trio.MemorySendChannel, message) -> None:
+    """Send ``message``, without a checkpoint when the channel has room."""
+    try:
+        channel.send_nowait(message)
+    except trio.WouldBlock:
+        await channel.send(message)
 
 
 async def _listen_for_cancels(cancels: trio.MemoryReceiveChannel, state: _State) -> None:
@@ -151,7 +167,7 @@ async def _admit(state: _State, admissions, to_streamer, *, block: bool) -> None
         state.active.add(req.request_id)
         state.added.append((req.request_id, req.prompt_ids, req.params))
         policy.add(SeqState(req.request_id, len(req.prompt_ids), sub.arrival, prompt_len=len(req.prompt_ids)))
-        await to_streamer.send(StreamOpen(sub))
+        await _hand_on(to_streamer, StreamOpen(sub))
 
 
 async def _receive_or_wake(admissions, state: _State):
@@ -166,7 +182,7 @@ async def _account(state: _State, planned, result: StepResult, to_streamer, metr
         for p in planned:
             if p.seq.request_id in state.active:  # (an earlier failed step may have ended it)
                 _end(state, p.seq.request_id)
-                await to_streamer.send(Failed(p.seq.request_id, result.error))
+                await _hand_on(to_streamer, Failed(p.seq.request_id, result.error))
         return
     policy.on_step_done(planned, (o.seq_id for o in result.outputs), now, result.seconds)
     _observe_step(planned, result, metrics)
@@ -177,7 +193,7 @@ async def _account(state: _State, planned, result: StepResult, to_streamer, metr
             policy.finish(out.seq_id)
             state.active.discard(out.seq_id)
     if outputs:
-        await to_streamer.send(TokenBatch(outputs, now))
+        await _hand_on(to_streamer, TokenBatch(outputs, now))
 
 
 def _observe_step(planned, result: StepResult, metrics: Metrics) -> None:

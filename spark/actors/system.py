@@ -96,7 +96,7 @@ async def open_system(
     )
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
-    work_send, work_recv = trio.open_memory_channel(1)
+    work_send, work_recv = trio.open_memory_channel(_DEPTH)  # a turn of the scheduler may plan every step ahead
     # Room for every step in flight: the engine's thread hands results in without waiting.
     results_send, results_recv = trio.open_memory_channel(_DEPTH)
     stream_send, stream_recv = trio.open_memory_channel(256)
