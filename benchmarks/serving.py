@@ -148,6 +148,25 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
     raise RuntimeError("server did not become healthy")
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds used so far by process ``pid`` and by its children (the engine process), from /proc."""
+    def used(p: int) -> float:
+        with open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    children = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        children += used(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+    return used(pid), children
+
+
 def step_totals(url: str) -> dict[str, float]:
     """The server's step histograms so far: ``<name>_sum`` and ``<name>_count`` of each."""
     import httpx
@@ -220,9 +239,13 @@ def main() -> int:
         wait_healthy(url, server)
         time.sleep(args.settle)  # let the background CUDA-graph capture finish before timing
         spread_load(url, prompts[: args.clients], args.clients, 8, args.load_procs)  # warm-up
-        before = step_totals(url)
+        before, cpu_before = step_totals(url), cpu_seconds(server.pid)
         result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
-        steps = step_shape(before, step_totals(url))
+        steps, cpu_after = step_shape(before, step_totals(url)), cpu_seconds(server.pid)
+        # Cores busy during the load: the HTTP server's event loop (scheduler included), the engine process.
+        steps["server_cpu_cores"] = round((cpu_after[0] - cpu_before[0]) / result["wall_s"], 2)
+        steps["engine_cpu_cores"] = round((cpu_after[1] - cpu_before[1]) / result["wall_s"], 2)
+        steps["engine_busy_frac"] = round(steps["steps"] * (steps["step_ms_mean"] or 0) / 1000 / result["wall_s"], 3)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -252,7 +275,8 @@ def main() -> int:
           f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; "
           f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk; "
           f"{steps['steps']} steps of {steps['step_ms_mean']} ms, {steps['decode_rows_mean']} decode rows and "
-          f"{steps['prefill_tokens_mean']} prefill tokens on average")
+          f"{steps['prefill_tokens_mean']} prefill tokens on average; engine busy {steps['engine_busy_frac']}; "
+          f"CPU cores: server {steps['server_cpu_cores']}, engine {steps['engine_cpu_cores']}")
     with open(args.out, "w") as f:
         json.dump(entry, f, indent=1)
     return 0
