@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-batch-size", type=int, default=None)
     srv.add_argument("--max-prefill-tokens", type=int, default=None)
     srv.add_argument("--scheduler", choices=("fifo", "slai"), default=None)
+    srv.add_argument("--scheduler-depth", type=int, default=None,
+                     help="engine steps planned ahead (default: 6 with an engine process, 3 in a thread)")
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--api-key", action="append", default=None, help="accepted Bearer key (repeatable)")
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")
@@ -100,7 +102,7 @@ def _serve(args) -> int:
     config = ServeConfig.from_env(
         host=args.host, port=args.port, model=args.model, served_name=args.served_name, device=args.device,
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
-        scheduler=args.scheduler, max_model_len=args.max_model_len,
+        scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, max_model_len=args.max_model_len,
         api_keys=tuple(args.api_key) if args.api_key else None,
         recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, **_state_paths(),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

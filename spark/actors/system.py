@@ -36,7 +36,13 @@ __all__ = ["SparkSystem", "SubmitError", "open_system"]
 
 log = logging.getLogger("spark.system")
 
-_DEPTH = 3  # steps the scheduler keeps in flight
+# Steps the scheduler keeps in flight unless the config says. With the engine in a thread:
+# one running, one queued, and one to cover the event loop's delay in accounting results.
+# An engine process is fed through the event loop and a pipe: on an H200 at 256 streams
+# (benchmarks/serving.py) the engine stepped 67% of the time with 3 and 79% with 6, and
+# served 5,939 against 7,365 tok/s.
+_DEPTH_THREAD = 3
+_DEPTH_PROCESS = 6
 
 
 class SparkSystem:
@@ -94,18 +100,16 @@ async def open_system(
         max_prefill_tokens=config.max_prefill_tokens,
         tbt_deadline=config.tbt_deadline_ms / 1000.0,
     )
+    own_runner = getattr(engine, "run", None)  # an EngineProcess steps (and captures) in its process
+    depth = config.scheduler_depth or (_DEPTH_PROCESS if own_runner is not None else _DEPTH_THREAD)
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
-    work_send, work_recv = trio.open_memory_channel(_DEPTH)  # a turn of the scheduler may plan every step ahead
+    work_send, work_recv = trio.open_memory_channel(depth)  # a turn of the scheduler may plan every step ahead
     # Room for every step in flight: the engine's thread hands results in without waiting.
-    results_send, results_recv = trio.open_memory_channel(_DEPTH)
+    results_send, results_recv = trio.open_memory_channel(depth)
     stream_send, stream_recv = trio.open_memory_channel(256)
 
     async with trio.open_nursery() as nursery:
-        # Steps planned ahead (``_DEPTH``): the engine runs one, has the next queued (or, in
-        # its own process, launched behind it), and a third covers the event loop's delay
-        # in accounting results at hundreds of streams.
-        own_runner = getattr(engine, "run", None)  # an EngineProcess steps (and captures) in its process
         if execute is not None:
             await nursery.start(gpu_runner.run, execute, work_recv, results_send)
         elif own_runner is not None:
@@ -119,7 +123,7 @@ async def open_system(
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
         await nursery.start(functools.partial(
             scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics,
-            depth=_DEPTH,
+            depth=depth,
         ))
         ingress = Ingress(
             admissions_send,
@@ -135,7 +139,8 @@ async def open_system(
             served_name=served_name or config.resolved_served_name(),
         )
         await system.preflight()
-        log.info("actors up: policy=%s max_batch=%d pages=%d", config.scheduler, config.max_batch_size, allocator.num_total)
+        log.info("actors up: policy=%s max_batch=%d pages=%d depth=%d", config.scheduler, config.max_batch_size,
+                 allocator.num_total, depth)
         try:
             yield system
         finally:

@@ -236,10 +236,12 @@ async def test_stop_strings_through_the_system(autojump_clock):
             await assert_idle_and_free(system, allocator)
 
 
-async def test_random_cancellations_leave_no_pages_and_no_engine_sequences(autojump_clock):
+@pytest.mark.parametrize("depth", [None, 1, 6])  # the default, no planning ahead, an engine process's depth
+async def test_random_cancellations_leave_no_pages_and_no_engine_sequences(autojump_clock, depth):
     rng = random.Random(3)
     double = EngineDouble(num_pages=1 + 256, page_size=4)
-    async with double_system(double, max_batch_size=16, max_waiting=512, max_prefill_tokens=64) as (system, allocator):
+    async with double_system(double, max_batch_size=16, max_waiting=512, max_prefill_tokens=64,
+                             scheduler_depth=depth) as (system, allocator):
 
         async def client(i):
             await trio.sleep(rng.uniform(0, 2))
