@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from gpu_timing import graph_time_us
+
 PAGE = 16
 # (name, heads, kv heads, head dim, batch, context)
 DECODE_CASES = [
@@ -54,34 +56,6 @@ def time_us(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1000.0
-
-
-def graph_time_us(calls) -> float:
-    """Median time of one call, replaying all of ``calls`` back to back in one CUDA graph.
-
-    A decode kernel at batch 1 takes a few microseconds, less than a launch from Python:
-    timed one launch at a time it would measure the launcher. In a graph, as in the
-    engine's decode graphs, only the GPU's own time (and the gaps between kernels) count.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # compiles outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(9):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 def decode_case(case, configs) -> list[dict]:

@@ -16,9 +16,9 @@ the median of 10 replays, divided by the calls. GB/s counts weight bytes only.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpu_timing import graph_time_us  # noqa: E402
 from spark.engine.kernels import activation, norm  # noqa: E402
 from spark.engine.kernels import small_linear as sl  # noqa: E402
 
@@ -88,23 +89,8 @@ class Bench:
             t = time.perf_counter()
             call(0)
             return (time.perf_counter() - t) * 1e6
-        torch.cuda.synchronize()
         calls = copies * max(1, -(-24 // copies))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                call(i % copies)
-        graph.replay()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        del graph
-        return statistics.median(times)
+        return graph_time_us([functools.partial(call, i % copies) for i in range(calls)], reps=10)
 
 
 def fused_kwargs(b: Bench, ops: str, m: int, n: int, k: int, dtype=torch.bfloat16) -> dict:
