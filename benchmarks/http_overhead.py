@@ -39,7 +39,7 @@ import trio
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # serving.py, and the repo (spark, tests)
 
-from serving import percentile, spread_load, wait_healthy  # noqa: E402
+from serving import cpu_seconds, percentile, spread_load, step_shape, step_totals, wait_healthy  # noqa: E402
 
 
 def timed_engine(step_s: float, max_model_len: int, num_pages: int):
@@ -151,16 +151,6 @@ def serve(args) -> None:
         profile.dump_stats(args.profile)
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of process ``pid`` so far (Linux; None elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -201,9 +191,9 @@ def main() -> int:
     try:
         wait_healthy(url, server, timeout=120)
         spread_load(url, prompts[: args.clients], args.clients, 4, args.load_procs)  # warm-up: connections, caches
-        cpu0 = cpu_seconds(server.pid)
+        cpu0, steps0 = cpu_seconds(server.pid)[0], step_totals(url)
         result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
-        cpu1 = cpu_seconds(server.pid)
+        cpu1, steps = cpu_seconds(server.pid)[0], step_shape(steps0, step_totals(url))
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -222,17 +212,20 @@ def main() -> int:
         "itl_p50_ms": round(1000 * percentile(result["gaps"] or [0.0], 0.5), 2),
         "itl_p99_ms": round(1000 * percentile(result["gaps"] or [0.0], 0.99), 2),
         # near 1.0: the server's one event loop is the limit (the engine's sleeps cost no CPU)
-        "server_cpu": None if cpu0 is None or cpu1 is None else round((cpu1 - cpu0) / result["wall_s"], 2),
+        "server_cpu": round((cpu1 - cpu0) / result["wall_s"], 2),
         "load_cpu": round(result["cpu_s"] / result["wall_s"], 2),  # the load processes' cores, all together
         "errors": len(result["errors"]), "error_samples": sorted(set(result["errors"]))[:3],
+        "ttft_p50_ms": round(1000 * percentile(result["ttft"] or [0.0], 0.5), 1),
         "profiled": bool(args.profile),
+        "server_steps": steps,
     }
     if result["errors"]:
         print("errors, e.g.:", sorted(set(result["errors"]))[:5])
     print(json.dumps(entry))
     print(f"delivered {tok_s:.0f} tok/s of the engine's {ceiling:.0f} (ratio {entry['ratio']}); "
           f"{entry['chunks_per_s']} chunks/s, {entry['tokens_per_chunk']} tokens per chunk; "
-          f"CPU: server {entry['server_cpu']}, load {entry['load_cpu']} cores")
+          f"CPU: server {entry['server_cpu']}, load {entry['load_cpu']} cores; TTFT p50 {entry['ttft_p50_ms']} ms; "
+          f"steps: {steps}")
     with open(args.out, "w") as f:
         json.dump(entry, f, indent=1)
     return 0
