@@ -132,7 +132,7 @@ def serve(args) -> None:
     config = ServeConfig(model="double", served_name="double", port=args.port, device="cpu",
                          max_batch_size=args.clients, max_waiting=2 * args.clients, max_model_len=max_model_len,
                          max_prefill_tokens=args.clients * args.prompt, tbt_deadline_ms=10_000)
-    run = functools.partial(trio.run, functools.partial(serve_async, config, engine=engine))
+    run = functools.partial(trio.run, functools.partial(serve_async, config, engine=engine, settle_gc=True))
     if args.pipeline == "ideal":
         from spark.actors import scheduler
 

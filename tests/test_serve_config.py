@@ -15,3 +15,4 @@ def test_scheduler_depth_from_the_environment():
 def test_a_bad_scheduler_depth_names_the_variable(value):
     with pytest.raises(ValueError, match="scheduler_depth"):
         ServeConfig.from_env({"SPARK_SCHEDULER_DEPTH": value})
+

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import trio
 
+from spark import gc_tuning
 from spark.actors.gpu_runner import capture_one, deliver, hand_over, register_work, step_failure
 from spark.actors.messages import StepResult
 from spark.engine.page_allocator import PageAllocator
@@ -159,6 +160,7 @@ def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
         return
     conn.send({"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                "num_pages": engine.num_pages, "page_size": engine.page_size})
+    gc_tuning.settle()  # this process only steps: no collector pause in the middle of a launch
     capturing = graphs_max_batch > 0 and engine.enable_cuda_graphs(graphs_max_batch)
     # Steps launched, not yet answered: at most two, so the host prepares step N+1
     # (and the next plan is on its way) while the device runs step N.

@@ -13,6 +13,7 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from spark import gc_tuning
 from spark.http.application import create_app, load_engine
 from spark.serve_config import ServeConfig
 
@@ -38,7 +39,7 @@ def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> Hyperc
 
 
 async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = False, shutdown_trigger=None,
-                      quiet: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                      quiet: bool = False, settle_gc: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until ``shutdown_trigger`` returns (by default: SIGINT or SIGTERM).
 
     Args:
@@ -47,6 +48,8 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
       access_log: log every request to stdout.
       shutdown_trigger: an async callable whose return starts a graceful shutdown.
       quiet: do not print the "Spark serving" line.
+      settle_gc: once serving, tune the garbage collector for it (``spark.gc_tuning``):
+        for a process that does nothing else.
       task_status: started with the server's URL once it listens.
 
     Raises:
@@ -68,6 +71,8 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
                 nursery.cancel_scope.cancel()
                 return
             url = binds[0]
+            if settle_gc:
+                gc_tuning.settle()
             if not quiet:
                 served = state.limits.served_name if state.limits else "no model yet (name a recipe's model to load it)"
                 print(f"Spark serving {served} on {url}", flush=True)
@@ -81,7 +86,7 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
 
 def serve(config: ServeConfig) -> None:
     """Serve ``config`` until Ctrl-C (``spark serve``)."""
-    trio.run(serve_async, config)
+    trio.run(functools.partial(serve_async, config, settle_gc=True))
 
 
 async def _until_signal() -> None:
