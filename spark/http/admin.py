@@ -16,7 +16,7 @@ import hmac
 import json
 
 import trio
-from quart import Blueprint, current_app, request
+from quart import Blueprint, current_app, g, request
 
 from spark.control.slot import Refusal, Slot
 from spark.http.errors import ApiError
@@ -36,6 +36,14 @@ def _slot() -> Slot:
 
 @bp.before_request
 async def _authorize() -> None:
+    try:
+        _check_admin_key()
+    except ApiError:
+        g.body_unread = True  # refused before the body was read: the connection must not be reused
+        raise
+
+
+def _check_admin_key() -> None:
     config = current_app.extensions["spark"].config
     admin = config.admin_key if config is not None else None
     keys = config.api_keys if config is not None else ()
