@@ -39,7 +39,9 @@ import trio
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # serving.py, and the repo (spark, tests)
 
-from serving import cpu_seconds, percentile, spread_load, step_shape, step_totals, wait_healthy  # noqa: E402
+from serving import (  # noqa: E402
+    cpu_seconds, percentile, rows_each_second, spread_load, step_shape, step_totals, wait_healthy,
+)
 
 
 def timed_engine(step_s: float, max_model_len: int, num_pages: int):
@@ -191,9 +193,11 @@ def main() -> int:
     try:
         wait_healthy(url, server, timeout=120)
         spread_load(url, prompts[: args.clients], args.clients, 4, args.load_procs)  # warm-up: connections, caches
-        cpu0, steps0 = cpu_seconds(server.pid)[0], step_totals(url)
-        result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
+        cpu0, steps0, series = cpu_seconds(server.pid)[0], step_totals(url), []
+        with rows_each_second(url, series):
+            result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
         cpu1, steps = cpu_seconds(server.pid)[0], step_shape(steps0, step_totals(url))
+        steps["decode_rows_each_second"] = series
     finally:
         server.send_signal(signal.SIGINT)
         try:

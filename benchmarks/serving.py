@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import queue as queue_module
 import random
 import signal
 import subprocess
+import threading
 import sys
 import time
 
@@ -193,6 +195,30 @@ def step_shape(before: dict[str, float], after: dict[str, float]) -> dict:
             "decode_rows_mean": mean("spark_step_decode_rows"), "prefill_tokens_mean": mean("spark_step_prefill_tokens")}
 
 
+@contextlib.contextmanager
+def rows_each_second(url: str, series: list[float]):
+    """While the block runs, append to ``series`` the mean decode rows of the steps taken in
+    each second: a closed loop of equal requests moves in waves, and the mean hides them."""
+    done = threading.Event()
+
+    def sample() -> None:
+        last = step_totals(url)
+        while not done.wait(1.0):
+            now = step_totals(url)
+            steps = now.get("spark_step_decode_rows_count", 0.0) - last.get("spark_step_decode_rows_count", 0.0)
+            rows = now.get("spark_step_decode_rows_sum", 0.0) - last.get("spark_step_decode_rows_sum", 0.0)
+            series.append(round(rows / steps, 1) if steps else 0.0)
+            last = now
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield series
+    finally:
+        done.set()
+        sampler.join()
+
+
 def offline(model: str, prompts: list[list[int]], new: int, batch: int) -> float:
     import torch
 
@@ -239,9 +265,11 @@ def main() -> int:
         wait_healthy(url, server)
         time.sleep(args.settle)  # let the background CUDA-graph capture finish before timing
         spread_load(url, prompts[: args.clients], args.clients, 8, args.load_procs)  # warm-up
-        before, cpu_before = step_totals(url), cpu_seconds(server.pid)
-        result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
+        before, cpu_before, series = step_totals(url), cpu_seconds(server.pid), []
+        with rows_each_second(url, series):
+            result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
         steps, cpu_after = step_shape(before, step_totals(url)), cpu_seconds(server.pid)
+        steps["decode_rows_each_second"] = series
         # Cores busy during the load: the HTTP server's event loop (scheduler included), the engine process.
         steps["server_cpu_cores"] = round((cpu_after[0] - cpu_before[0]) / result["wall_s"], 2)
         steps["engine_cpu_cores"] = round((cpu_after[1] - cpu_before[1]) / result["wall_s"], 2)
