@@ -210,6 +210,10 @@ class Engine:
         s = self._seqs[seq_id]
         return s.num_planned - s.num_computed
 
+    def num_computed(self, seq_id: Hashable) -> int:
+        """Tokens of ``seq_id`` whose K/V launched steps compute or have computed."""
+        return self._seqs[seq_id].num_computed
+
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of ``seq_id`` so far, those that launched steps are sampling included."""
         return self._seqs[seq_id].num_planned
@@ -435,67 +439,10 @@ class Engine:
         max_prefill_tokens: int | None = None,
         max_batch_size: int = 256,
     ) -> list[list[TokenOutput]]:
-        """Run prompts to completion with a simple FIFO loop (CLI, tests, benchmarks).
+        """Run prompts to completion (CLI, tests, benchmarks): ``offline.generate`` on this engine."""
+        from spark.engine.offline import generate
 
-        Each step decodes every running sequence and fills the rest of the token
-        budget with prefill chunks of waiting ones (at most ``max_prefill_tokens``
-        prompt tokens per step, so long prompts are chunked).
-
-        Returns:
-            Per prompt, the ``TokenOutput`` of every generated token.
-        """
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        allocator = self.new_page_allocator()
-        base = object()  # private ids: never collide with a caller's sequences
-        waiting = deque((base, i) for i in range(len(prompts)))
-        for (b, i) in waiting:
-            self.add_sequence((b, i), prompts[i], params[i])
-        running: list = []
-        results: list[list[TokenOutput]] = [[] for _ in prompts]
-        budget = max_prefill_tokens or self.max_model_len
-        launched = 0
-        try:
-            while waiting or running or launched:
-                # Plan the next step while the previous one runs: a sequence that ended
-                # there is still planned once, and the engine drops it.
-                chunks = []
-                if launched < 2:
-                    for sid in running:
-                        chunks.append(ScheduledChunk(sid, 1, allocator.append(sid, self._seqs[sid].num_computed + 1)))
-                    left = budget
-                    while waiting and left > 0 and len(running) < max_batch_size:
-                        sid = waiting[0]
-                        n = min(self.num_uncomputed(sid), left)
-                        done = self._seqs[sid].num_computed + n
-                        if not allocator.can_allocate(sid, done):
-                            break
-                        table = allocator.append(sid, done) if allocator.has(sid) else allocator.allocate(sid, done)
-                        chunks.append(ScheduledChunk(sid, n, table))
-                        left -= n
-                        if done == self.num_tokens(sid):
-                            running.append(waiting.popleft())
-                        else:
-                            break  # a partial prompt fills the budget
-                if chunks:
-                    self.launch(StepPlan(tuple(chunks)))
-                    launched += 1
-                    if launched < 2:
-                        continue
-                elif not launched:
-                    raise RuntimeError("KV cache too small for the next prompt")
-                for out in self.collect():
-                    results[out.seq_id[1]].append(out)
-                    if out.finish_reason is not None:
-                        running.remove(out.seq_id)
-                        allocator.free(out.seq_id)
-                launched -= 1
-        finally:
-            while self._inflight:
-                self.collect()
-            for i in range(len(prompts)):
-                self.remove_sequence((base, i))
-        return results
+        return generate(self, prompts, params, max_prefill_tokens=max_prefill_tokens, max_batch_size=max_batch_size)
 
 
 def _load_tokenizer(source):
