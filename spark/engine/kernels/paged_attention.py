@@ -16,14 +16,14 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from spark.engine.kernels import launch, rope
+from spark.engine.kernels import key_block, launch, rope
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
 # that only ever calls the references may not have triton at all.
 triton = None
 tl = None
-_attend_block = None  # the shared key-loop step, jitted with the kernels
+_attend_block = None  # key_block's step, bound by `_kernels()`: the kernel finds it among these globals
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -331,39 +331,7 @@ def _kernels():
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     global _attend_block
-
-    @triton.jit
-    def _attend_block(
-        q, m_i, l_i, acc, n0, kv_end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
-        stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """One online-softmax step over keys [n0, n0 + BLOCK_N) below `kv_end`, gathered
-        through the block-table row `table`; query row r sees keys <= `last_key[r]`.
-        Shared by the decode and the prefill kernels. Returns the new (m_i, l_i, acc)."""
-        keys = n0 + tl.arange(0, BLOCK_N)
-        key_ok = keys < kv_end
-        # Gather token by token: any page size, any page order. Masked keys read
-        # neither the block table past the sequence's pages nor the cache.
-        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv_off = page * stride_cp + (keys % PAGE_SIZE) * stride_co + kv_head * stride_ch
-        kv_off = kv_off[:, None] + dims[None, :] * stride_cd
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if not HALF_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # Scale after the dot so that half operands are not rounded a second time; scores
-        # come out in log2 units, so exp2 below is exp of the scaled score.
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-        s = tl.where((keys[None, :] <= last_key[:, None]) & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        return m_new, l_i, acc
+    _attend_block = key_block.attend_block()
 
     @triton.jit
     def decode_kernel(

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from spark.engine.kernels import launch, paged_attention as pa
+from spark.engine.kernels import key_block, launch
 from spark.engine.kernels.paged_attention import paged_attention_reference
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
@@ -23,6 +23,7 @@ from spark.engine.kernels.paged_attention import paged_attention_reference
 # that only ever calls the reference may not have triton at all.
 triton = None
 tl = None
+_attend_block = None  # key_block's step, bound by `_kernel()`: the kernel finds it among these globals
 
 # Query rows per program and keys per inner step: the usual flash-attention tile for
 # head_dim <= 128 on Hopper (tl.dot needs every dim >= 16). Pages are gathered token by
@@ -125,7 +126,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    pa._kernels()  # jits the key-loop step the kernel shares with decode
+    global _attend_block
+    _attend_block = key_block.attend_block()
 
     @triton.jit
     def prefill_kernel(
@@ -174,7 +176,7 @@ def _kernel():
         kv_end = context_start + tl.minimum(first_row + BLOCK_M, q_len)
         if NUM_STAGES > 0:
             for n0 in tl.range(0, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-                m_i, l_i, acc = pa._attend_block(
+                m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, n0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
                     PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
@@ -182,7 +184,7 @@ def _kernel():
             # A while loop, not `for n0 in range(0, kv_end, BLOCK_N)`: see the decode kernel.
             n0 = 0
             while n0 < kv_end:
-                m_i, l_i, acc = pa._attend_block(
+                m_i, l_i, acc = _attend_block(
                     q, m_i, l_i, acc, n0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
                     PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
