@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from spark.engine.kernels import launch
+from spark.engine.kernels import activation, launch, norm
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -130,12 +130,9 @@ def small_linear_reference(
     """
     assert norm_weight is None or not gated, "one prologue at a time"
     if norm_weight is not None:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        x = (norm_weight * normed).to(x.dtype)
+        x = norm.rms_norm_reference(x, norm_weight, eps)
     elif gated:
-        gate, up = x.float().chunk(2, dim=-1)
-        x = (F.silu(gate) * up).to(x.dtype)
+        x = activation.silu_and_mul_reference(x)
     y = F.linear(x.float(), weight.float()).to(x.dtype)
     return y if residual is None else y + residual
 
