@@ -86,14 +86,9 @@ def check_rope_write_kv(rows: list) -> None:
     within_ulp = all(bool(((a - b).abs() <= b.abs() * 2**-7 + 1e-6).all()) for a, b in pairs)
     err = max((a - b).abs().max().item() for a, b in pairs)
     t = bench(lambda: rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, kc, vc, slots))
-    def unfused():
-        q_rot, k_rot = rope.apply_rope_triton(q, k, positions, inv_freq)
-        kv_write.write_kv_triton(k_rot, v, kc, vc, slots)
-
-    t_unfused = bench(unfused)
     rows.append({"check": "rope_write_kv", "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                  "page": page, "max_abs_err": err, "within_1_bf16_ulp": within_ulp,
-                 "us": t * 1e6, "us_rope_then_write": t_unfused * 1e6,
+                 "us": t * 1e6,
                  "ok": bool(same_slots and within_ulp and torch.equal(vc[written], vr[written]))})
 
 

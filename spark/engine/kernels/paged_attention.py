@@ -23,7 +23,9 @@ from spark.engine.kernels import key_block, launch, rope
 # that only ever calls the references may not have triton at all.
 triton = None
 tl = None
-_attend_block = None  # key_block's step, bound by `_kernels()`: the kernel finds it among these globals
+# Steps of other modules, bound by `_kernels()`: the kernel finds a called function among these globals.
+_attend_block = None  # key_block's online-softmax step
+_rope_cos_sin = None  # rope's cos/sin, so that k rotated here equals k rotated by the rope kernels
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -330,8 +332,9 @@ def _kernels():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _attend_block
+    global _attend_block, _rope_cos_sin
     _attend_block = key_block.attend_block()
+    _rope_cos_sin = rope.jit_cos_sin()
 
     @triton.jit
     def decode_kernel(
@@ -369,15 +372,11 @@ def _kernels():
             # and x2 = x[half + d % half] and keeps `x1*cos - x2*sin` (first half) or
             # `x2*cos + x1*sin` (second half): the rope kernel's expressions term for term, so
             # they compile to the same FMAs (checked in the sm_90 PTX) and k matches its bits.
-            # cos/sin as in rope.py: the same fp32 angle, libdevice cos/sin on the GPU; fp32
-            # loads for the interpreter's sake.
+            # cos/sin from rope.py's own helper, over the lanes; fp32 loads for the interpreter's sake.
             half = head_dim // 2
             lane = dims % half
             first = (dims < half)[None, :]
-            pos = tl.load(positions_ptr + seq).to(tl.float32)
-            angle = pos * tl.load(inv_freq_ptr + lane * stride_f, mask=dim_ok, other=0.0)
-            cos = tl.cos(angle)[None, :]
-            sin = tl.sin(angle)[None, :]
+            cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
             x1 = tl.load(q_src + lane[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
             x2 = tl.load(q_src + (half + lane[None, :]) * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
             q = tl.where(first, x1 * cos - x2 * sin, x2 * cos + x1 * sin)
