@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import random
 import signal
@@ -40,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # serving.py, and the repo (spark, tests)
 
 from serving import (  # noqa: E402
-    cpu_seconds, percentile, rows_each_second, spread_load, step_shape, step_totals, wait_healthy,
+    cpu_seconds, latency_summary, rows_each_second, spread_load, step_shape, step_totals, wait_healthy, write_report,
 )
 
 
@@ -212,26 +211,19 @@ def main() -> int:
         "prompt_tokens": args.prompt, "new_tokens": args.new, "load_procs": args.load_procs,
         "output_tok_s": round(tok_s, 1), "engine_tok_s": round(ceiling, 1), "ratio": round(tok_s / ceiling, 3),
         "chunks_per_s": round(result["chunks"] / result["wall_s"], 1),
-        "tokens_per_chunk": round(result["output_tokens"] / max(1, result["chunks"]), 2),
-        "itl_p50_ms": round(1000 * percentile(result["gaps"] or [0.0], 0.5), 2),
-        "itl_p99_ms": round(1000 * percentile(result["gaps"] or [0.0], 0.99), 2),
+        **latency_summary(result),
         # near 1.0: the server's one event loop is the limit (the engine's sleeps cost no CPU)
         "server_cpu": round((cpu1 - cpu0) / result["wall_s"], 2),
         "load_cpu": round(result["cpu_s"] / result["wall_s"], 2),  # the load processes' cores, all together
-        "errors": len(result["errors"]), "error_samples": sorted(set(result["errors"]))[:3],
-        "ttft_p50_ms": round(1000 * percentile(result["ttft"] or [0.0], 0.5), 1),
+        "error_samples": sorted(set(result["errors"]))[:3],
         "profiled": bool(args.profile),
         "server_steps": steps,
     }
-    if result["errors"]:
-        print("errors, e.g.:", sorted(set(result["errors"]))[:5])
-    print(json.dumps(entry))
-    print(f"delivered {tok_s:.0f} tok/s of the engine's {ceiling:.0f} (ratio {entry['ratio']}); "
-          f"{entry['chunks_per_s']} chunks/s, {entry['tokens_per_chunk']} tokens per chunk; "
-          f"CPU: server {entry['server_cpu']}, load {entry['load_cpu']} cores; TTFT p50 {entry['ttft_p50_ms']} ms; "
-          f"steps: {steps}")
-    with open(args.out, "w") as f:
-        json.dump(entry, f, indent=1)
+    line = (f"delivered {tok_s:.0f} tok/s of the engine's {ceiling:.0f} (ratio {entry['ratio']}); "
+            f"{entry['chunks_per_s']} chunks/s, {entry['tokens_per_chunk']} tokens per chunk; "
+            f"CPU: server {entry['server_cpu']}, load {entry['load_cpu']} cores; TTFT p50 {entry['ttft_p50_ms']} ms; "
+            f"steps: {steps}")
+    write_report(entry, result, line, args.out)
     return 0
 
 

@@ -37,6 +37,30 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def latency_summary(result: dict) -> dict:
+    """What clients saw in a ``spread_load`` result: TTFT and gaps between chunks (p50/p99,
+    ms; 0 when none came), tokens per chunk and the count of failed requests."""
+    def ms(values: list[float], q: float, digits: int) -> float:
+        return round(1000 * percentile(values or [0.0], q), digits)
+
+    return {
+        "ttft_p50_ms": ms(result["ttft"], 0.5, 1), "ttft_p99_ms": ms(result["ttft"], 0.99, 1),
+        "itl_p50_ms": ms(result["gaps"], 0.5, 2), "itl_p99_ms": ms(result["gaps"], 0.99, 2),
+        "tokens_per_chunk": round(result["output_tokens"] / max(1, result["chunks"]), 2),
+        "errors": len(result["errors"]),
+    }
+
+
+def write_report(entry: dict, result: dict, line: str, out: str) -> None:
+    """Print the errors seen (a sample), the entry as JSON and a one-line summary; write the JSON."""
+    if result["errors"]:
+        print("errors, e.g.:", sorted(set(result["errors"]))[:5])
+    print(json.dumps(entry))
+    print(line)
+    with open(out, "w") as f:
+        json.dump(entry, f, indent=1)
+
+
 async def load(url: str, prompts: list[list[int]], clients: int, new: int) -> dict:
     """Keep ``clients`` streamed /v1/completions in flight until ``prompts`` are done (one process).
 
@@ -287,26 +311,17 @@ def main() -> int:
         "requests": args.requests, "prompt_tokens": args.prompt, "new_tokens": args.new,
         "output_tok_s": round(serving_tok_s, 1), "offline_tok_s": round(offline_tok_s, 1),
         "ratio_to_offline": round(serving_tok_s / offline_tok_s, 3),
-        "ttft_p50_ms": round(1000 * percentile(result["ttft"], 0.5), 1),
-        "ttft_p99_ms": round(1000 * percentile(result["ttft"], 0.99), 1),
-        "itl_p50_ms": round(1000 * percentile(result["gaps"], 0.5), 2),
-        "itl_p99_ms": round(1000 * percentile(result["gaps"], 0.99), 2),
-        "errors": len(result["errors"]),
-        "tokens_per_chunk": round(result["output_tokens"] / max(1, result["chunks"]), 2),
+        **latency_summary(result),
         "load_procs": args.load_procs,
         "server_steps": steps,
     }
-    if result["errors"]:
-        print("errors, e.g.:", sorted(set(result["errors"]))[:5])
-    print(json.dumps(entry))
-    print(f"serving {serving_tok_s:.0f} tok/s, offline {offline_tok_s:.0f} tok/s, ratio {entry['ratio_to_offline']}; "
-          f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; "
-          f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk; "
-          f"{steps['steps']} steps of {steps['step_ms_mean']} ms, {steps['decode_rows_mean']} decode rows and "
-          f"{steps['prefill_tokens_mean']} prefill tokens on average; engine busy {steps['engine_busy_frac']}; "
-          f"CPU cores: server {steps['server_cpu_cores']}, engine {steps['engine_cpu_cores']}")
-    with open(args.out, "w") as f:
-        json.dump(entry, f, indent=1)
+    line = (f"serving {serving_tok_s:.0f} tok/s, offline {offline_tok_s:.0f} tok/s, ratio {entry['ratio_to_offline']}; "
+            f"TTFT p50/p99 {entry['ttft_p50_ms']}/{entry['ttft_p99_ms']} ms; "
+            f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk; "
+            f"{steps['steps']} steps of {steps['step_ms_mean']} ms, {steps['decode_rows_mean']} decode rows and "
+            f"{steps['prefill_tokens_mean']} prefill tokens on average; engine busy {steps['engine_busy_frac']}; "
+            f"CPU cores: server {steps['server_cpu_cores']}, engine {steps['engine_cpu_cores']}")
+    write_report(entry, result, line, args.out)
     return 0
 
 
