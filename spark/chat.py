@@ -10,8 +10,6 @@ import contextlib
 import functools
 import json
 import os
-import queue
-import threading
 from collections.abc import Iterator
 
 import httpx
@@ -98,34 +96,14 @@ def _error_message(r: httpx.Response) -> str:
 @contextlib.contextmanager
 def _local_server(model: str) -> Iterator[str]:
     """Serve ``model`` on a free local port from a background thread; yields its URL."""
-    import trio
-
-    from spark.http.serve import serve_async
+    from spark.http.serve import serve_async, serve_in_thread
     from spark.serve_config import ServeConfig
 
     config = ServeConfig(model=model, host="127.0.0.1", port=0)
-    started: queue.Queue = queue.Queue()
-
-    async def main() -> None:
-        stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(functools.partial(serve_async, config, shutdown_trigger=stop.wait))
-            started.put((url, trio.lowlevel.current_trio_token(), stop))
-
-    def run() -> None:
+    with contextlib.ExitStack() as stack:
         try:
-            trio.run(main)
-        except BaseException as exc:  # start-up failed: hand it to the caller
-            started.put(exc)
-
-    thread = threading.Thread(target=run, name="spark-chat-server", daemon=True)
-    thread.start()
-    got = started.get()
-    if isinstance(got, BaseException):
-        raise SystemExit(f"cannot start the server: {got}")
-    url, token, stop = got
-    try:
+            url = stack.enter_context(serve_in_thread(
+                functools.partial(serve_async, config), name="spark-chat-server", stop_timeout=15))
+        except Exception as exc:
+            raise SystemExit(f"cannot start the server: {exc}") from None
         yield url
-    finally:
-        trio.from_thread.run_sync(stop.set, trio_token=token)
-        thread.join(timeout=15)

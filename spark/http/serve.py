@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import queue
 import signal
 import threading
+from collections.abc import Iterator
 
 import hypercorn.trio
 import trio
@@ -87,6 +90,46 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
 def serve(config: ServeConfig) -> None:
     """Serve ``config`` until Ctrl-C (``spark serve``)."""
     trio.run(functools.partial(serve_async, config, settle_gc=True))
+
+
+@contextlib.contextmanager
+def serve_in_thread(serve, *, name: str, timeout: float | None = None, stop_timeout: float = 30.0) -> Iterator[str]:
+    """Run ``serve(shutdown_trigger=..., task_status=...)`` (``serve_async``, say) under trio in a
+    thread of its own; yield the URL it reports through ``task_status.started``.
+
+    A start-up error ``serve`` raises is raised here, out of the nurseries' wrapping.
+    Leaving the block stops it and waits up to ``stop_timeout`` for the thread.
+
+    Args:
+      timeout: seconds to wait for start-up (None: as long as the model takes to load).
+    """
+    started: queue.Queue = queue.Queue()
+
+    async def main() -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve, shutdown_trigger=stop.wait))
+            started.put((url, trio.lowlevel.current_trio_token(), stop))
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # start-up failed: hand it to the caller
+            started.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
+    thread.start()
+    got = started.get(timeout=timeout)
+    while isinstance(got, BaseExceptionGroup) and len(got.exceptions) == 1:
+        got = got.exceptions[0]
+    if isinstance(got, BaseException):
+        raise got
+    url, token, stop = got
+    try:
+        yield url
+    finally:
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(timeout=stop_timeout)
 
 
 async def _until_signal() -> None:
