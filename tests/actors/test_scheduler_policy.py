@@ -44,16 +44,27 @@ def drive(policy, engine, *, now=0.0, max_steps=10_000, until=None, on_plan=None
             engine.reset_computed(request_id)
         if on_plan is not None:
             on_plan(planned, running_before)
-        step = engine.step(StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned)))
-        seconds = A + B * sum(p.num_tokens for p in planned)
-        now += seconds
-        policy.on_step_done(planned, (o.seq_id for o in step), now, seconds)
-        for out in step:
-            outputs.setdefault(out.seq_id, []).append(out.token_id)
-            if out.finish_reason is not None:
-                reasons[out.seq_id] = out.finish_reason
-                assert policy.finish(out.seq_id)
+        step = engine.step(as_plan(planned))
+        now = account(policy, planned, step, now, outputs, reasons)
     raise AssertionError(f"not done after {max_steps} steps")
+
+
+def as_plan(planned) -> StepPlan:
+    return StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned))
+
+
+def account(policy, planned, step, now, outputs, reasons) -> float:
+    """Account a step's result as the actor does (its time from the cost model A + B * tokens):
+    collect its tokens into ``outputs``, its ends into ``reasons``; returns the new time."""
+    seconds = A + B * sum(p.num_tokens for p in planned)
+    now += seconds
+    policy.on_step_done(planned, (o.seq_id for o in step), now, seconds)
+    for out in step:
+        outputs.setdefault(out.seq_id, []).append(out.token_id)
+        if out.finish_reason is not None:
+            reasons[out.seq_id] = out.finish_reason
+            assert policy.finish(out.seq_id)
+    return now
 
 
 # -- decode, prefill, order ------------------------------------------------------
@@ -318,18 +329,11 @@ def test_planning_a_step_ahead_finishes_every_request_with_its_tokens(policy_nam
             for request_id in policy.preempted:
                 engine.reset_computed(request_id)
             if planned:
-                plan = StepPlan(tuple(ScheduledChunk(p.seq.request_id, p.num_tokens, p.block_table) for p in planned))
-                inflight.append((planned, engine.step(plan)))
+                inflight.append((planned, engine.step(as_plan(planned))))
                 if len(inflight) < depth:
                     continue
         planned, step = inflight.popleft()
-        seconds = A + B * sum(p.num_tokens for p in planned)
-        now += seconds
-        policy.on_step_done(planned, (o.seq_id for o in step), now, seconds)
-        for out in step:
-            outputs.setdefault(out.seq_id, []).append(out.token_id)
-            if out.finish_reason is not None:
-                assert policy.finish(out.seq_id)
+        now = account(policy, planned, step, now, outputs, {})
     assert preempted > 0  # the pool was small enough to exercise recompute under pipelining
     assert policy.allocator.num_used == 0
     assert outputs == {rid: [hashed_token(rid, n + k, 1000) for k in range(m)] for rid, (n, m) in specs.items()}
