@@ -1,25 +1,26 @@
-"""One step of online softmax over a block of keys gathered from the paged KV cache (Triton).
+"""Online softmax over a range of keys gathered from the paged KV cache (Triton).
 
 The decode kernel (`paged_attention.py`) and the prefill kernel (`prefill_attention.py`)
 walk a sequence's keys the same way and differ only in their query rows and in how far
-each row may see: both call this step, which each kernel module binds among its
+each row may see: both call `attend_keys`, which each kernel module binds among its
 globals when it jits its kernel (Triton resolves a called function there).
 """
 
 import functools
 
-# Bound by `attend_block()` on first use, never at import: `@triton.jit` decides between
+# Bound by `attend_keys()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs.
 triton = None
 tl = None
+_attend_step = None  # bound by `attend_keys()`, for `attend_keys` to call
 
 
 @functools.cache
-def attend_block():
-    """JIT and return the step: ``attend_block(q, m_i, l_i, acc, n0, kv_end, last_key, table,
-    k_cache_ptr, v_cache_ptr, kv_head, strides..., dims, dim_ok, qk_scale_log2, PAGE_SIZE,
-    BLOCK_N, HALF_DOT, PRECISION) -> (m_i, l_i, acc)``."""
-    global triton, tl
+def attend_keys():
+    """JIT and return ``attend_keys(q, m_i, l_i, acc, start, end, last_key, table, k_cache_ptr,
+    v_cache_ptr, kv_head, strides..., dims, dim_ok, qk_scale_log2, PAGE_SIZE, BLOCK_N,
+    HALF_DOT, PRECISION, NUM_STAGES) -> (m_i, l_i, acc)``."""
+    global triton, tl, _attend_step
     import triton
     import triton.language as tl
 
@@ -56,4 +57,35 @@ def attend_block():
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    return attend_step
+    @triton.jit
+    def attend_keys(
+        q, m_i, l_i, acc, start, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+        stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        """Online softmax over keys [start, end), BLOCK_N at a time; row r sees keys <= `last_key[r]`.
+
+        With NUM_STAGES > 0 (a GPU) the loop is software-pipelined: the page ids and K/V of
+        the next blocks load while this one computes. 0 keeps a while loop, not
+        `for n0 in range(start, end, BLOCK_N)`: the Triton 3.6 interpreter turns runtime loop
+        bounds into Python ints with int(1-element array), which numpy >= 2.4 rejects, and
+        the tests run the kernels there."""
+        if NUM_STAGES > 0:
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = _attend_step(
+                    q, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+        else:
+            n0 = start
+            while n0 < end:
+                m_i, l_i, acc = _attend_step(
+                    q, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+                n0 += BLOCK_N
+        return m_i, l_i, acc
+
+    _attend_step = attend_step
+    return attend_keys

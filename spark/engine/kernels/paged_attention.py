@@ -24,7 +24,7 @@ from spark.engine.kernels import key_block, launch, rope
 triton = None
 tl = None
 # Steps of other modules, bound by `_kernels()`: the kernel finds a called function among these globals.
-_attend_block = None  # key_block's online-softmax step
+_attend_keys = None  # key_block's online softmax over a range of keys
 _rope_cos_sin = None  # rope's cos/sin, so that k rotated here equals k rotated by the rope kernels
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
@@ -332,8 +332,8 @@ def _kernels():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _attend_block, _rope_cos_sin
-    _attend_block = key_block.attend_block()
+    global _attend_keys, _rope_cos_sin
+    _attend_keys = key_block.attend_keys()
     _rope_cos_sin = rope.jit_cos_sin()
 
     @triton.jit
@@ -413,23 +413,10 @@ def _kernels():
         if HALF_DOT:
             q_dot = q.to(k_cache_ptr.dtype.element_ty)
         last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1  # every row sees the whole partition
-        if NUM_STAGES > 0:
-            for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-                m_i, l_i, acc = _attend_block(
-                    q_dot, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
-        else:
-            # A while loop, not `for n0 in range(start, end, BLOCK_N)`: the Triton 3.6
-            # interpreter turns runtime loop bounds into Python ints with int(1-element
-            # array), which numpy >= 2.4 rejects, and the tests run this kernel there.
-            n0 = start
-            while n0 < end:
-                m_i, l_i, acc = _attend_block(
-                    q_dot, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
-                n0 += BLOCK_N
+        m_i, l_i, acc = _attend_keys(
+            q_dot, m_i, l_i, acc, start, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+            stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+            PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
 
         if ROPE:
             # One more online-softmax step for the new token, from registers; a no-op

@@ -23,7 +23,7 @@ from spark.engine.kernels.paged_attention import paged_attention_reference
 # that only ever calls the reference may not have triton at all.
 triton = None
 tl = None
-_attend_block = None  # key_block's step, bound by `_kernel()`: the kernel finds it among these globals
+_attend_keys = None  # key_block's, bound by `_kernel()`: the kernel finds it among these globals
 
 # Query rows per program and keys per inner step: the usual flash-attention tile for
 # head_dim <= 128 on Hopper (tl.dot needs every dim >= 16). Pages are gathered token by
@@ -126,8 +126,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global _attend_block
-    _attend_block = key_block.attend_block()
+    global _attend_keys
+    _attend_keys = key_block.attend_keys()
 
     @triton.jit
     def prefill_kernel(
@@ -174,21 +174,10 @@ def _kernel():
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Keys past the block's last valid position are masked for every row: stop there.
         kv_end = context_start + tl.minimum(first_row + BLOCK_M, q_len)
-        if NUM_STAGES > 0:
-            for n0 in tl.range(0, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-                m_i, l_i, acc = _attend_block(
-                    q, m_i, l_i, acc, n0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
-        else:
-            # A while loop, not `for n0 in range(0, kv_end, BLOCK_N)`: see the decode kernel.
-            n0 = 0
-            while n0 < kv_end:
-                m_i, l_i, acc = _attend_block(
-                    q, m_i, l_i, acc, n0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
-                n0 += BLOCK_N
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, 0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
+            stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+            PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
 
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context (seq_len 0): zeros
         o_off = tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
