@@ -93,7 +93,8 @@ def serve(config: ServeConfig) -> None:
 
 
 @contextlib.contextmanager
-def serve_in_thread(serve, *, name: str, timeout: float | None = None, stop_timeout: float = 30.0) -> Iterator[str]:
+def serve_in_thread(serve, *, name: str, timeout: float | None = None, stop_timeout: float = 30.0,
+                    must_stop: bool = False) -> Iterator[str]:
     """Run ``serve(shutdown_trigger=..., task_status=...)`` (``serve_async``, say) under trio in a
     thread of its own; yield the URL it reports through ``task_status.started``.
 
@@ -102,6 +103,7 @@ def serve_in_thread(serve, *, name: str, timeout: float | None = None, stop_time
 
     Args:
       timeout: seconds to wait for start-up (None: as long as the model takes to load).
+      must_stop: raise ``RuntimeError`` when the thread outlives ``stop_timeout``.
     """
     started: queue.Queue = queue.Queue()
 
@@ -130,6 +132,8 @@ def serve_in_thread(serve, *, name: str, timeout: float | None = None, stop_time
     finally:
         trio.from_thread.run_sync(stop.set, trio_token=token)
         thread.join(timeout=stop_timeout)
+        if must_stop and thread.is_alive():
+            raise RuntimeError(f"{name} did not shut down")
 
 
 async def _until_signal() -> None:
