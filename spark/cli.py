@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-prefill-tokens", type=int, default=None)
     srv.add_argument("--scheduler", choices=("fifo", "slai"), default=None)
     srv.add_argument("--scheduler-depth", type=int, default=None,
-                     help="engine steps planned ahead (default: 6 with an engine process, 3 in a thread)")
+                     help="engine steps planned ahead (default 3)")
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--api-key", action="append", default=None, help="accepted Bearer key (repeatable)")
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")

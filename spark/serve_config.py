@@ -32,9 +32,9 @@ class ServeConfig:
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(POLICIES))
     tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream
-    # Engine steps planned ahead of their results; None: 6 with an engine process, 3 in a thread.
-    # More keeps the GPU fed while the event loop is busy with hundreds of streams; each costs an
-    # ended sequence one more wasted row and a new request one more step before its prefill.
+    # Engine steps planned ahead of their results; None: 3. More keeps the engine fed while the
+    # scheduler's event loop is busy; each costs an ended sequence one more wasted row and a new
+    # request one more step before its prefill.
     scheduler_depth: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(1)))
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After

@@ -6,7 +6,7 @@ from spark.serve_config import ServeConfig
 
 
 def test_scheduler_depth_from_the_environment():
-    assert ServeConfig.from_env({}).scheduler_depth is None  # chosen by where the engine runs
+    assert ServeConfig.from_env({}).scheduler_depth is None  # the scheduler's default
     assert ServeConfig.from_env({"SPARK_SCHEDULER_DEPTH": "4"}).scheduler_depth == 4
     assert ServeConfig.from_env({"SPARK_SCHEDULER_DEPTH": "4"}, scheduler_depth=2).scheduler_depth == 2
 

@@ -1,13 +1,22 @@
-"""The engine in a process of its own, so that Python work of the HTTP side never stalls the GPU.
+"""The engine and its scheduler in a process of their own: the HTTP side only streams.
 
-With the engine in a worker thread, every step's host work (building the
-batch, reading sampled tokens back) competes for one interpreter lock with
-SSE formatting, detokenization and hypercorn; at hundreds of streams the GPU
-waits on Python. Here the child process owns the engine and loops over
-``StepWork`` messages from a pipe, launching step N+1 before it reads back
-step N's tokens; between steps, while nothing waits, it captures CUDA graphs.
+With the engine in a worker thread of the server, every step's host work competes
+for one interpreter lock with SSE formatting, detokenization and hypercorn; and
+with only the engine in another process, each plan and each result still waits
+for a turn of the server's event loop, shared with hundreds of streams (on an
+H200 at 256 streams the engine then stepped 79% of the time). So, as vLLM's
+engine core does, the child runs the scheduler actor, the page allocator and the
+GPU runner on an event loop of its own, next to the engine; a step's plan never
+leaves the process. The server sends requests in and cancellations, and gets
+back what the streamer needs: which requests started, their tokens, failures.
+
+    server:  ingress --admissions--> run_core --pipe--> [child: scheduler <-> GPU runner]
+             streamer <--StreamOpen/TokenBatch/Failed-- run_core <--pipe--'
+
 The parent holds an ``EngineProcess``: the few engine facts the actors need
-(tokenizer, vocabulary, context, page pool) and ``run``, its GPU-runner actor.
+(tokenizer, vocabulary, context, page pool) and ``run_core``, the actor that
+stands where the scheduler and the runner stand when the engine is in a thread.
+What runs in the child is ``spark.actors.engine_core``.
 """
 
 from __future__ import annotations
@@ -16,25 +25,19 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
-import time
-from collections import deque
+from collections import OrderedDict
 from typing import Any
 
-import attrs
 import trio
 
-from spark import gc_tuning
-from spark.actors.gpu_runner import capture_one, deliver, hand_over, register_work, step_failure
-from spark.actors.messages import StepResult
+from spark.actors import engine_core as core
+from spark.actors.messages import StreamOpen, Submission, TokenBatch
 from spark.engine.page_allocator import PageAllocator
 
 log = logging.getLogger("spark.engine_process")
 
-
-@attrs.frozen
-class _Failure:
-    message: str
-    load_error: bool = False  # a ModelLoadError: the message is the one line to show
+_MAX_EARLY_CANCELS = 10_000
+_JOIN_SECONDS = 30.0  # a session's end waits this long for the child's steps under way
 
 
 class EngineProcess:
@@ -62,14 +65,14 @@ class EngineProcess:
         source = resolve_model(model, dummy_config=load_kwargs.get("dummy_config"))  # fails fast, here
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=_serve, args=(child, model, load_kwargs, graphs_max_batch), daemon=True)
+        process = ctx.Process(target=core.serve, args=(child, model, load_kwargs, graphs_max_batch), daemon=True)
         process.start()
         child.close()
         try:
             reply = parent.recv()
         except EOFError:
-            reply = _Failure(f"the engine process exited with status {process.join(5) or process.exitcode}")
-        if isinstance(reply, _Failure):
+            reply = core.Failure(f"the engine process exited with status {process.join(5) or process.exitcode}")
+        if isinstance(reply, core.Failure):
             process.join(5)
             if reply.load_error:
                 raise ModelLoadError(source.path or model, reply.message)
@@ -79,49 +82,51 @@ class EngineProcess:
     def new_page_allocator(self) -> PageAllocator:
         return PageAllocator(self.num_pages, self.page_size)
 
-    async def run(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel, *,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The GPU-runner actor for this process: each ``StepWork`` goes down the pipe as soon
-        as it comes, each ``StepResult`` comes back as soon as the step is done.
+    async def run_core(self, config, admissions: trio.MemoryReceiveChannel, cancels: trio.MemoryReceiveChannel,
+                       to_streamer: trio.MemorySendChannel, metrics, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The scheduler and the GPU runner, in the engine process: until cancelled, forward
+        ``Submission``s from ``admissions`` and ``Cancel``s, and put what the child's scheduler
+        says (``StreamOpen``, ``TokenBatch``, ``Failed``) into ``to_streamer``, whose buffer must
+        be unbounded: a thread hands them in, and the engine never waits for the streamer.
 
-        Sending and receiving are independent, so the engine process finds step N+1
-        waiting when it finishes step N, whatever this event loop is busy with. A
-        thread of its own writes the pipe: handing it a step costs the loop nothing.
+        ``admissions`` stays the waiting queue that the ingress bounds: a request moves to the
+        child only while fewer than ``config.max_batch_size`` moved there and have not started,
+        enough for the child to fill its whole batch without waiting for this event loop.
         """
+        link = _CoreLink(config.max_batch_size, admissions, to_streamer, metrics)
         sends: queue.SimpleQueue = queue.SimpleQueue()
-        sender = threading.Thread(target=self._send_loop, args=(sends,), name="spark-engine-send", daemon=True)
-        sender.start()
+        sender = threading.Thread(target=core.send_loop, args=(self._conn, sends), name="spark-engine-send", daemon=True)
         exited = trio.Event()
-        receiver = threading.Thread(target=self._recv_loop, args=(trio.lowlevel.current_trio_token(), outbox, exited),
+        receiver = threading.Thread(target=self._recv_loop, args=(trio.lowlevel.current_trio_token(), link, exited),
                                     name="spark-engine-recv", daemon=True)
+        sends.put(core.Session(config))
+        sender.start()
+        receiver.start()
         try:
-            async with inbox, outbox, trio.open_nursery() as nursery:
-                nursery.start_soon(hand_over, inbox, sends)
-                receiver.start()
+            async with admissions, cancels, to_streamer, trio.open_nursery() as nursery:
+                nursery.start_soon(link.forward_admissions, sends)
+                nursery.start_soon(link.forward_cancels, cancels, sends)
                 task_status.started()
                 await exited.wait()
                 raise RuntimeError("the engine process exited")
         finally:
+            sends.put(core.EndSession())
             sends.put(None)
+            with trio.CancelScope(shield=True):  # the next session may read the pipe only after this one
+                await trio.to_thread.run_sync(receiver.join, _JOIN_SECONDS)
 
-    def _send_loop(self, sends: queue.SimpleQueue) -> None:
-        while (work := sends.get()) is not None:
-            try:
-                self._conn.send(work)
-            except (OSError, EOFError):
-                return  # the process is gone; the receiving side reports it
-
-    def _recv_loop(self, token, outbox: trio.MemorySendChannel, exited: trio.Event) -> None:
-        """Put each ``StepResult`` from the pipe straight into ``outbox`` (a thread: no task
-        of the event loop stands between the engine and the scheduler); set ``exited`` when
-        the process is gone. ``outbox`` holds every step in flight, so it never fills."""
+    def _recv_loop(self, token, link: "_CoreLink", exited: trio.Event) -> None:
+        """Hand each ``core.Out`` from the pipe to ``link`` in the event loop, until the session
+        ends; set ``exited`` when the process is gone."""
         while True:
             try:
                 reply = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if isinstance(reply, core.SessionEnded):
+                return
             try:
-                token.run_sync_soon(deliver, outbox, reply)
+                token.run_sync_soon(link.on_output, reply)
             except trio.RunFinishedError:
                 return
         try:
@@ -145,62 +150,73 @@ class EngineProcess:
             self._process.join()
 
 
-def _serve(conn, model, load_kwargs, graphs_max_batch) -> None:
-    """The engine process: load, report, then step and capture until told to stop."""
-    from spark.engine.engine import Engine
-    from spark.engine.errors import ModelLoadError
+class _CoreLink:
+    """The server's side of a session: the requests handed to the child and not started yet."""
 
-    try:
-        engine = Engine.load(model, **load_kwargs)
-    except ModelLoadError as exc:
-        conn.send(_Failure(exc.problem, load_error=True))
-        return
-    except Exception as exc:  # reported to the parent, which raises it
-        conn.send(_Failure(f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send({"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-               "num_pages": engine.num_pages, "page_size": engine.page_size})
-    gc_tuning.settle()  # this process only steps: no collector pause in the middle of a launch
-    capturing = graphs_max_batch > 0 and engine.enable_cuda_graphs(graphs_max_batch)
-    # Steps launched, not yet answered: at most two, so the host prepares step N+1
-    # (and the next plan is on its way) while the device runs step N.
-    inflight: deque[tuple[float, str | None]] = deque()  # (launch time, launch error)
-    last_done = time.perf_counter()
-    while True:
-        if inflight and not conn.poll():  # nothing new to launch: finish the oldest
-            last_done = _answer(conn, engine, inflight.popleft(), last_done)
-            continue
-        if capturing and not inflight and not conn.poll():
-            capturing = capture_one(engine.capture_next_graph)
-            continue
-        try:
-            work = conn.recv()
-        except EOFError:
-            return  # the parent is gone
-        if work is None:
-            return
-        launched = time.perf_counter()
-        try:
-            register_work(engine, work)
-            error = None
-        except Exception as exc:
-            error = step_failure(exc)
-        inflight.append((launched, error))
-        while len(inflight) > 1:
-            last_done = _answer(conn, engine, inflight.popleft(), last_done)
+    def __init__(self, window: int, admissions, to_streamer, metrics):
+        self._window = window
+        self._admissions = admissions
+        self._to_streamer = to_streamer
+        self._metrics = metrics
+        self._moved: dict[str, Submission] = {}  # in the child's queue, not started
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # cancelled before they moved
+        self._room = trio.Event()
 
+    async def forward_admissions(self, sends: queue.SimpleQueue) -> None:
+        async for sub in self._admissions:
+            batch = [sub]
+            while len(self._moved) + len(batch) < self._window:  # everything else waiting, in one message
+                try:
+                    batch.append(self._admissions.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            now = trio.current_time()
+            admits = []
+            for sub in batch:
+                if self._cancelled.pop(sub.request.request_id, 1) is None:
+                    sub.out.close()
+                    continue  # its client left while it was queued here
+                self._moved[sub.request.request_id] = sub
+                admits.append(core.Admit(sub.request, now - sub.arrival))
+            sends.put(admits)
+            while len(self._moved) >= self._window:
+                self._room = trio.Event()
+                await self._room.wait()
 
-def _answer(conn, engine, launched: tuple[float, str | None], last_done: float) -> float:
-    """Collect the oldest launched step and send its result; returns when it was done."""
-    started, error = launched
-    outputs = []
-    if error is None:
-        try:
-            outputs = engine.collect()
-        except Exception as exc:
-            error = step_failure(exc)
-    done = time.perf_counter()
-    # The device time of a pipelined step: from when it could start (launched, and the
-    # one before it done) to its end.
-    conn.send(StepResult(tuple(outputs), done - max(started, last_done), error))
-    return done
+    async def forward_cancels(self, cancels: trio.MemoryReceiveChannel, sends: queue.SimpleQueue) -> None:
+        async for cancel in cancels:
+            batch = [cancel]
+            while True:
+                try:
+                    batch.append(cancels.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            for c in batch:
+                if self._moved.pop(c.request_id, None) is not None:
+                    self._room.set()
+                else:  # queued here still, or started: the child ignores what it does not know
+                    self._cancelled[c.request_id] = None
+                    while len(self._cancelled) > _MAX_EARLY_CANCELS:
+                        self._cancelled.popitem(last=False)
+            sends.put(batch)
+
+    def on_output(self, out: core.Out) -> None:
+        """What the child's scheduler said, for the streamer (called in the event loop)."""
+        now = trio.current_time()
+        for msg in out.messages:
+            if isinstance(msg, core.Opened):
+                sub = self._moved.pop(msg.request_id, None)
+                if sub is None:
+                    continue  # cancelled after it moved: the child ends it when the cancel arrives
+                self._room.set()
+                msg = StreamOpen(sub)
+            elif isinstance(msg, TokenBatch):
+                msg = TokenBatch(msg.outputs, now)  # this clock, as the streamer's latencies are
+            try:
+                self._to_streamer.send_nowait(msg)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return  # shutting down
+        for name, method, value in out.metrics:
+            if name == "requests_waiting":  # the child counts its queue; this one is here
+                value += self._admissions.statistics().current_buffer_used
+            getattr(getattr(self._metrics, name), method)(value)

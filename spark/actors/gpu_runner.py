@@ -14,6 +14,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from typing import Awaitable, Callable
 
 import trio
@@ -101,24 +102,81 @@ async def hand_over(inbox: trio.MemoryReceiveChannel, works: queue.SimpleQueue) 
 
 
 def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendChannel, capture_next) -> None:
+    """Step every ``StepWork`` from ``works`` until None; each ``StepResult`` goes to ``outbox``.
+
+    An engine that can ``launch`` a step without waiting for it keeps two in flight:
+    the host prepares step N+1 (and the next plan is on its way) while the device
+    runs step N, and step N's tokens are read back only then. With nothing new to
+    launch it finishes the oldest; with nothing at all it captures a CUDA graph.
+    """
+    keep = 1 if hasattr(engine, "launch") else 0  # launched steps left in flight after a launch
+    if not keep:
+        engine = _StepAtLaunch(engine)
     capturing = capture_next is not None
-    while True:
+    inflight: deque[tuple[float, str | None]] = deque()  # (launch time, launch error), oldest first
+    last_done = time.perf_counter()
+
+    def answer() -> bool:
+        """Collect the oldest launched step and hand its result on; False once the loop is gone."""
+        nonlocal last_done
+        started, error = inflight.popleft()
+        outputs = []
+        if error is None:
+            try:
+                outputs = engine.collect()
+            except Exception as exc:
+                error = step_failure(exc)
+        done = time.perf_counter()
+        # The device time of a pipelined step: from when it could start (launched, and the
+        # one before it done) to its end.
+        seconds, last_done = done - max(started, last_done), done
         try:
-            work = works.get_nowait() if capturing else works.get()
-        except queue.Empty:
+            token.run_sync_soon(deliver, outbox, StepResult(tuple(outputs), seconds, error))
+        except trio.RunFinishedError:
+            return False
+        return True
+
+    while True:
+        if inflight and works.empty():
+            if not answer():
+                return
+            continue
+        if capturing and not inflight and works.empty():
             capturing = capture_one(capture_next)
             continue
+        work = works.get()
         if work is None:
+            while inflight and answer():  # the steps under way end before the engine may be unloaded
+                pass
             return
-        start = time.perf_counter()
+        launched = time.perf_counter()
         try:
-            outputs, error = apply_work(engine, work), None
+            register_work(engine, work)
+            error = None
         except Exception as exc:
-            outputs, error = [], step_failure(exc)
-        try:
-            token.run_sync_soon(deliver, outbox, StepResult(tuple(outputs), time.perf_counter() - start, error))
-        except trio.RunFinishedError:
-            return
+            error = step_failure(exc)
+        inflight.append((launched, error))
+        while len(inflight) > keep:
+            if not answer():
+                return
+
+
+class _StepAtLaunch:
+    """``launch``/``collect`` for an engine that only has ``step`` (an engine double): the step
+    runs at launch and is answered at once, so nothing is held back a step."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._done: deque = deque()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def launch(self, plan) -> None:
+        self._done.append(self._engine.step(plan))
+
+    def collect(self) -> list[TokenOutput]:
+        return self._done.popleft()
 
 
 def deliver(outbox: trio.MemorySendChannel, result: StepResult) -> None:

@@ -25,6 +25,9 @@ from spark.metrics import Metrics
 log = logging.getLogger("spark.scheduler")
 
 _MAX_EARLY_CANCELS = 10_000
+# Steps kept in flight unless the config says: the one the engine runs, the one it has
+# launched behind it, and one more that covers this event loop's delay in accounting a result.
+DEFAULT_DEPTH = 3
 
 
 class _State:

@@ -104,6 +104,12 @@ class SchedulerPolicy:
         self.running: list[SeqState] = []  # decoding
         self.preempted: list[str] = []  # since the last schedule(): their cache must be recomputed
 
+    @classmethod
+    def from_config(cls, allocator: PageAllocator, config) -> "SchedulerPolicy":
+        """The policy a ``ServeConfig`` names, with its batch, prefill and deadline limits."""
+        return cls(allocator, policy=config.scheduler, max_batch_size=config.max_batch_size,
+                   max_prefill_tokens=config.max_prefill_tokens, tbt_deadline=config.tbt_deadline_ms / 1000.0)
+
     # -- membership -------------------------------------------------------
     @property
     def num_active(self) -> int:

@@ -4,6 +4,10 @@
                                                         ^   |  <--results--'
                       handler/streamer --cancels--------'   '--stream--> streamer --pieces--> handler
 
+With an engine process (``EngineProcess.run_core``), the scheduler and the GPU runner
+run there, next to the engine, on an event loop of their own; here its ``run_core``
+stands in their place between the admissions, the cancels and the stream.
+
 Use:
 
     async with open_system(engine, config) as system:
@@ -18,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -35,15 +40,6 @@ from spark.serve_config import ServeConfig
 __all__ = ["SparkSystem", "SubmitError", "open_system"]
 
 log = logging.getLogger("spark.system")
-
-# Steps the scheduler keeps in flight unless the config says. With the engine in a thread:
-# one running, one queued, and one to cover the event loop's delay in accounting results.
-# An engine process is fed through the event loop and a pipe: on an H200 at 256 streams
-# (benchmarks/serving.py) the engine stepped 67% of the time with 3 and 79% with 6, and
-# served 5,939 against 7,365 tok/s.
-_DEPTH_THREAD = 3
-_DEPTH_PROCESS = 6
-
 
 class SparkSystem:
     """What the HTTP layer holds: ``submit``, the tokenizer, names, limits, health and metrics."""
@@ -93,38 +89,33 @@ async def open_system(
     """
     metrics = Metrics()
     allocator = engine.new_page_allocator()
-    policy = SchedulerPolicy(
-        allocator,
-        policy=config.scheduler,
-        max_batch_size=config.max_batch_size,
-        max_prefill_tokens=config.max_prefill_tokens,
-        tbt_deadline=config.tbt_deadline_ms / 1000.0,
-    )
-    own_runner = getattr(engine, "run", None)  # an EngineProcess steps (and captures) in its process
-    depth = config.scheduler_depth or (_DEPTH_PROCESS if own_runner is not None else _DEPTH_THREAD)
+    run_core = getattr(engine, "run_core", None)  # an EngineProcess schedules and steps in its process
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
-    work_send, work_recv = trio.open_memory_channel(depth)  # a turn of the scheduler may plan every step ahead
-    # Room for every step in flight: the engine's thread hands results in without waiting.
-    results_send, results_recv = trio.open_memory_channel(depth)
-    stream_send, stream_recv = trio.open_memory_channel(256)
+    # An engine process's results come in from a thread, which may not wait: unbounded.
+    stream_send, stream_recv = trio.open_memory_channel(math.inf if run_core is not None else 256)
 
     async with trio.open_nursery() as nursery:
-        if execute is not None:
-            await nursery.start(gpu_runner.run, execute, work_recv, results_send)
-        elif own_runner is not None:
-            await nursery.start(own_runner, work_recv, results_send)
+        if run_core is not None:
+            await nursery.start(run_core, config, admissions_recv, cancels_recv, stream_send, metrics)
         else:
-            can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
-            capture = engine.capture_next_graph if can_capture and can_capture(config.max_batch_size) else None
-            await nursery.start(
-                functools.partial(gpu_runner.run_in_thread, capture_next=capture), engine, work_recv, results_send,
-            )
+            depth = config.scheduler_depth or scheduler.DEFAULT_DEPTH
+            work_send, work_recv = trio.open_memory_channel(depth)  # a turn of the scheduler may plan every step ahead
+            # Room for every step in flight: the engine's thread hands results in without waiting.
+            results_send, results_recv = trio.open_memory_channel(depth)
+            if execute is not None:
+                await nursery.start(gpu_runner.run, execute, work_recv, results_send)
+            else:
+                can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
+                capture = engine.capture_next_graph if can_capture and can_capture(config.max_batch_size) else None
+                await nursery.start(
+                    functools.partial(gpu_runner.run_in_thread, capture_next=capture), engine, work_recv, results_send,
+                )
+            await nursery.start(functools.partial(
+                scheduler.run, SchedulerPolicy.from_config(allocator, config), admissions_recv, cancels_recv,
+                work_send, results_recv, stream_send, metrics, depth=depth,
+            ))
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
-        await nursery.start(functools.partial(
-            scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics,
-            depth=depth,
-        ))
         ingress = Ingress(
             admissions_send,
             cancels_send,
@@ -139,8 +130,9 @@ async def open_system(
             served_name=served_name or config.resolved_served_name(),
         )
         await system.preflight()
-        log.info("actors up: policy=%s max_batch=%d pages=%d depth=%d", config.scheduler, config.max_batch_size,
-                 allocator.num_total, depth)
+        log.info("actors up: policy=%s max_batch=%d pages=%d depth=%s engine=%s", config.scheduler,
+                 config.max_batch_size, allocator.num_total, config.scheduler_depth or scheduler.DEFAULT_DEPTH,
+                 "process" if run_core is not None else "thread")
         try:
             yield system
         finally:

@@ -1,8 +1,11 @@
 """The engine in its own process gives what the engine in a thread gives."""
 
+import queue
+
 import pytest
 import trio
 
+from spark.actors import engine_core
 from spark.actors.engine_process import EngineProcess
 from spark.actors.messages import GenerateRequest
 from spark.actors.system import open_system
@@ -53,3 +56,55 @@ async def test_same_tokens_as_in_process():
 def test_a_missing_model_is_one_clear_error():
     with pytest.raises(ModelLoadError, match="no such file"):
         EngineProcess.start("/no/such/model.gguf")
+
+
+async def _wait_for(condition, seconds: float = 20.0) -> None:
+    with trio.fail_after(seconds):
+        while not condition():
+            await trio.sleep(0.05)
+
+
+def _value(metric) -> float:
+    return metric._value.get()
+
+
+async def test_the_scheduler_in_the_process_reports_metrics_and_frees_a_leaving_clients_pages():
+    child = await trio.to_thread.run_sync(
+        lambda: EngineProcess.start(MODEL, device="cpu", progress=False, kv_cache_bytes=8 << 20))
+    try:
+        for session in range(2):  # a second system on the same process starts clean
+            async with open_system(child, ServeConfig(max_prefill_tokens=8)) as system:
+                metrics = system.metrics
+                assert _value(metrics.kv_pages_total) == child.new_page_allocator().num_total
+                request = GenerateRequest(f"long-{session}", tuple(range(1, 30)),
+                                          SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
+                async with system.submit(request) as stream:
+                    async for piece in stream:
+                        if piece.num_output_tokens >= 3:
+                            break  # the client leaves: its pages go back in the child
+                    await _wait_for(lambda: _value(metrics.kv_pages_used) > 0)
+                await _wait_for(lambda: _value(metrics.kv_pages_used) == 0)
+                steps = metrics.step_seconds.collect()[0].samples
+                assert next(s.value for s in steps if s.name.endswith("_count")) >= 4  # the prompt's chunks, decodes
+                queued = metrics.queue_time.collect()[0].samples
+                assert next(s.value for s in queued if s.name.endswith("_count")) == 2  # the preflight's and ours
+    finally:
+        child.close()
+
+
+async def test_metric_updates_leave_the_process_when_no_message_carries_them(autojump_clock):
+    recorder = engine_core.MetricsRecorder()
+    sends = queue.SimpleQueue()
+    stream_send, stream_recv = trio.open_memory_channel(8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine_core.send_outputs, stream_recv, sends, recorder)
+        await trio.sleep(1)
+        assert sends.empty()  # nothing said, nothing to update: nothing sent
+        recorder.kv_pages_used.set(7)
+        recorder.kv_pages_used.set(3)  # only the last value of a gauge travels
+        recorder.step_seconds.observe(0.5)
+        await trio.sleep(1)
+        out = sends.get_nowait()
+        assert out.messages == () and out.metrics == (("step_seconds", "observe", 0.5), ("kv_pages_used", "set", 3))
+        assert sends.empty()
+        nursery.cancel_scope.cancel()
