@@ -80,7 +80,9 @@ def decode_case(case, configs) -> list[dict]:
     want = pa.paged_decode_attention_rope_reference(q, k, v, positions, inv_freq, kc, vc, slots, tables, seq_lens, scale)
     kv_bytes = 2 * batch * (context + 1) * kv_heads * head_dim * 2
     rows = []
-    for cfg, splits in configs(batch):
+    default = pa.decode_config(head_dim)
+    for cfg, splits in [(default, None)] + [c for c in configs(batch, default) if c != (default, None)]:
+        is_default = (cfg, splits) == (default, None)
         splits = splits or auto_splits
 
         def call(kv=(k_cache, v_cache), cfg=cfg, splits=splits):
@@ -92,8 +94,8 @@ def decode_case(case, configs) -> list[dict]:
         except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
             print(f"{name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
-        rows.append({"kernel": "decode_rope", "case": name, "splits": splits, "block_n": cfg.block_n,
-                     "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "us": round(us, 2),
+        rows.append({"kernel": "decode_rope", "case": name, "default": is_default, "splits": splits,
+                     "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "us": round(us, 2),
                      "kv_tb_s": round(kv_bytes / us / 1e6, 3), "max_abs_err": round(err, 4)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -123,17 +125,18 @@ def prefill_case(case, configs) -> list[dict]:
         except Exception as exc:
             print(f"{name} {(block_m, block_n, stages)}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
-        rows.append({"kernel": "prefill", "case": name, "block_m": block_m, "block_n": block_n, "num_stages": stages,
+        rows.append({"kernel": "prefill", "case": name, "default": (block_m, block_n, stages) == (64, 64, 2),
+                     "block_m": block_m, "block_n": block_n, "num_stages": stages,
                      "us": round(us, 2), "tflop_s": round(flops / us / 1e6, 1), "max_abs_err": round(err, 4)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def summarize(rows: list[dict], default: dict) -> None:
+def summarize(rows: list[dict]) -> None:
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case]
         best = min(mine, key=lambda r: r["us"])
-        base = next((r for r in mine if all(r[k] == v for k, v in default[r["kernel"]].items())), None)
+        base = next((r for r in mine if r["default"]), None)
         knobs = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "splits") if k in best}
         print(f"{case:24s} best {best['us']:8.2f} us {knobs}  default {base['us'] if base else '-'} us")
 
@@ -143,18 +146,20 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the default configs only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    import attrs
+
     from spark.engine.kernels.paged_attention import DecodeConfig
 
-    default = DecodeConfig()
-    if args.quick:
-        def decode_configs(batch):
-            return [(default, None), (DecodeConfig(num_stages=0), None)]
+    if args.quick:  # the default (spark.engine.kernels.paged_attention.decode_config), its neighbours
+        def decode_configs(batch, default):
+            more = [(default, 2 * s) for s in (2, 4) if batch == 1]
+            return [(attrs.evolve(default, num_stages=0), None)] + more
         prefill_configs = [(64, 64, 2), (64, 64, 0)]
     else:
-        def decode_configs(batch):
+        def decode_configs(batch, default):
             if batch == 1:  # few programs: splitting the context is the other way to parallelism
                 return [(DecodeConfig(block_n=n, num_warps=w, num_stages=s), splits)
-                        for n, w, s, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (None, 2, 4))]
+                        for n, w, s, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (None, 2, 4, 8))]
             return [(DecodeConfig(block_n=n, num_warps=w, num_stages=s), None)
                     for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (0, 2, 3))]
         prefill_configs = list(itertools.product((64,), (32, 64), (0, 2, 3)))
@@ -164,9 +169,7 @@ def main() -> int:
         rows += decode_case(case, decode_configs)
     for case in PREFILL_CASES:
         rows += prefill_case(case, prefill_configs)
-    summarize(rows, {"decode_rope": {"block_n": default.block_n, "num_warps": default.num_warps,
-                                     "num_stages": default.num_stages},
-                     "prefill": {"block_m": 64, "block_n": 64, "num_stages": 2}})
+    summarize(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bench": "attention", "rows": rows}, f, indent=1)

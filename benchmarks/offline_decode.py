@@ -119,11 +119,17 @@ def main() -> int:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="the commit measured (when the tree has no .git)")
+    ap.add_argument("--only", default=None, metavar="PRESET:B1,B2",
+                    help="one preset and its batches instead of every case, e.g. llama-3.1-8b:1,8 (for an A/B)")
     args = ap.parse_args()
     from spark.engine.engine import Engine
 
     results = []
-    for preset, batches in CASES:
+    cases = CASES
+    if args.only:
+        preset, _, batches = args.only.partition(":")
+        cases = [(preset, tuple(int(b) for b in batches.split(",")))]
+    for preset, batches in cases:
         t0 = time.perf_counter()
         engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model_len=PROMPT + NEW + 16,
                              kv_cache_bytes=max(batches) * (PROMPT + NEW + 32) * 2 * 2 * 32 * 1024 * 4)
