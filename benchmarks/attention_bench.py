@@ -152,7 +152,7 @@ def main() -> int:
 
     if args.quick:  # the default (spark.engine.kernels.paged_attention.decode_config), its neighbours
         def decode_configs(batch, default):
-            more = [(default, 2 * s) for s in (2, 4) if batch == 1]
+            more = [(default, s) for s in ((4, 8) if batch == 1 else (2, 4))]
             return [(attrs.evolve(default, num_stages=0), None)] + more
         prefill_configs = [(64, 64, 2), (64, 64, 0)]
     else:
