@@ -22,7 +22,7 @@ import time
 import torch
 
 from spark.engine.engine import Engine
-from spark.engine.kernels import kv_write, paged_attention as pa, rope
+from spark.engine.kernels import activation, kv_write, paged_attention as pa, rope
 from spark.engine.sampling import SamplingParams
 
 
@@ -149,6 +149,32 @@ def bench(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def check_small_linear_rows(rows: list) -> None:
+    """The small-row kernel where the model routes 33-64 rows to it (``llama.project``),
+    against cuBLAS on Llama-3.1-8B's shapes: the same product, up to fp32 summation order."""
+    from spark.engine.kernels import small_linear as sl
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for m in (33, 64):
+        for name, n, k in (("wo", 4096, 4096), ("w13", 28672, 4096), ("w2", 4096, 14336)):
+            assert sl.beats_cublas(m, k, torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+            got, want = sl.small_linear_triton(x, w).float(), torch.nn.functional.linear(x, w).float()
+            if name == "w13":  # as the model runs it: the gate in the epilogue
+                rows.append(_compare("small_linear_rows", "w13+gate", m, sl.small_linear_triton(x, w, gated_output=True),
+                                     activation.silu_and_mul_triton(torch.nn.functional.linear(x, w))))
+            rows.append(_compare("small_linear_rows", name, m, got, want))
+
+
+def _compare(check: str, proj: str, m: int, got: torch.Tensor, want: torch.Tensor) -> dict:
+    got, want = got.float(), want.float()
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+    rel = ((got - want).abs() / want.abs().clamp_min(1e-3)).max().item()
+    return {"check": check, "proj": proj, "m": m, "min_cos": round(cos, 7), "max_rel_diff": round(rel, 4),
+            "ok": cos > 0.99999}
+
+
 def check_engine(rows: list, preset: str, batches: tuple[int, ...], new_tokens: int) -> None:
     """Decode logits of the Triton path vs the torch reference path, then a rough speed.
 
@@ -223,6 +249,7 @@ def main() -> int:
     check_kernels(rows)
     check_decode_attention_rope(rows)
     check_gpu_vs_cpu(rows)
+    check_small_linear_rows(rows)
     check_engine(rows, "smollm2-135m", (1, 64), 64)
     check_engine(rows, "tiny-qwen3", (4,), 16)
     check_engine(rows, "llama-3.1-8b", (1, 8), 64)

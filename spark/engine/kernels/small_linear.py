@@ -1,4 +1,4 @@
-"""`y = pro(x) @ weight.T (+ residual)` for a few rows (decode, M <= 16): torch reference and Triton.
+"""`y = pro(x) @ weight.T (+ residual)` for a few rows (decode, M <= 64): torch reference and Triton.
 
 At batch 1-8 a linear layer is a pass over its weight: reading W is the whole cost,
 so the kernel streams W once with wide loads along K, spread over enough programs
@@ -8,14 +8,23 @@ the activations through memory:
 
 - prologue `norm_weight`: `pro(x) = RMSNorm(x) * norm_weight` (the attention or MLP norm);
 - prologue `gated`: `pro(x) = silu(x[:, :I]) * x[:, I:]` (SwiGLU before the down projection);
-- epilogue `residual`: `y = linear(...) + residual`.
+- epilogue `residual`: `y = linear(...) + residual`;
+- epilogue `gated_output`: `y = silu(x @ W_gate.T) * (x @ W_up.T)`, W = [W_gate; W_up] (the
+  w13 projection with the SwiGLU after it, for batches past the prologue rows).
 
 Rounding follows the unfused ops, so either can stand in for the other: the norm
 normalises in fp32, rounds to x's dtype, then multiplies by the weight and rounds
 (as `norm.rms_norm_reference`); the gate computes in fp32 and rounds once (as
-`activation.silu_and_mul_reference`); the product accumulates in fp32 and rounds
+`activation.silu_and_mul_reference`), from products rounded to x's dtype when it is
+an epilogue; the product accumulates in fp32 and rounds
 to x's dtype before the residual is added in that dtype (as eager `h = x + linear(...)`).
 Every program writes its own outputs, with no atomics: results are deterministic.
+
+From 17 to 64 rows the kernel takes no prologue: each program would recompute it for
+all its rows, the gate's exp on the special function units alone costing more than
+the weight stream. The gate goes to w13's epilogue instead, where each output is
+computed once. There, for Llama-3.1-8B's wo, w13 and w2, the kernel still beats
+cuBLAS (`benchmarks/decode_gemm_bench.py`), and the epilogue saves the gate's launch.
 """
 
 import functools
@@ -32,7 +41,8 @@ from spark.engine.kernels import activation, launch, norm
 triton = None
 tl = None
 
-MAX_ROWS = 16
+MAX_ROWS = 64
+MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
 _PLAIN, _NORM, _GATED = 0, 1, 2
 
 
@@ -59,7 +69,8 @@ class Config:
     defer_reduce: bool = True
 
 
-def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False) -> Config:
+def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
+                   gated_output: bool = False) -> Config:
     """The launch shape for `m` rows of a `[n, k]` bf16 weight with the given prologue,
     the fastest of a sweep on an H200 (benchmarks/small_linear_bench.py) for Llama-3.1-8B
     and SmolLM2-135M shapes.
@@ -76,6 +87,13 @@ def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = 
     long_runs = Config(4, 2048, defer_reduce=False)
     dot = Config(32, 256, num_warps=4, num_stages=4, use_dot=True)
     wide_dot = Config(32, 128, num_warps=2, num_stages=5, use_dot=True)
+    if gated_output:  # two weight tiles a step (gate and up): half the outputs per program
+        return Config(64, 128, num_stages=4, use_dot=True)
+    if m > MAX_PROLOGUE_ROWS:
+        # 64 rows on an H200: 64x32 output tiles over K steps of 256, or 64x128 over 128
+        # for a wide weight: Llama-3.1-8B's wo 11.6 us (cuBLAS 12.2), w2 33.2 (35.2),
+        # w13 60.4 (61.2).
+        return Config(128, 128, num_stages=4, use_dot=True) if wide else dot
     if k >= 2048:
         if m == 1:
             if norm:
@@ -101,6 +119,13 @@ def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = 
     return Config(16, 128, num_warps=4, num_stages=6, use_dot=True) if -(-n // 32) < 132 else dot
 
 
+def beats_cublas(m: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether the plain product of `m` rows (past the prologue rows) with a half-precision
+    weight `k` wide is faster here than in cuBLAS on an H200: measured at 64 rows for
+    Llama-3.1-8B's wo, w13 and w2 (its wqkv was 5% slower; SmolLM2's K was not measured)."""
+    return MAX_PROLOGUE_ROWS * 2 < m <= MAX_ROWS and k >= 2048 and dtype in (torch.bfloat16, torch.float16)
+
+
 def triton_next_power_of_2(n: int) -> int:
     """`triton.next_power_of_2` without importing triton (the reference path needs none)."""
     return 1 << (n - 1).bit_length()
@@ -114,6 +139,7 @@ def small_linear_reference(
     eps: float = 1e-6,
     gated: bool = False,
     residual: torch.Tensor | None = None,
+    gated_output: bool = False,
 ) -> torch.Tensor:
     """`pro(x) @ weight.T (+ residual)` (torch reference).
 
@@ -124,6 +150,7 @@ def small_linear_reference(
       eps: added to the mean square before the rsqrt.
       gated: `pro(x) = silu(x[:, :K]) * x[:, K:]`, computed in fp32 and rounded once.
       residual: `[M, N]`, x's dtype, added to the rounded product.
+      gated_output: `y = silu_and_mul(x @ weight.T)`, `[M, N / 2]` (the gate's rows first).
 
     Returns:
       `[M, N]` in x's dtype; the product accumulates in fp32 and is rounded once.
@@ -134,6 +161,8 @@ def small_linear_reference(
     elif gated:
         x = activation.silu_and_mul_reference(x)
     y = F.linear(x.float(), weight.float()).to(x.dtype)
+    if gated_output:
+        y = activation.silu_and_mul_reference(y)
     return y if residual is None else y + residual
 
 
@@ -145,6 +174,7 @@ def small_linear_triton(
     eps: float = 1e-6,
     gated: bool = False,
     residual: torch.Tensor | None = None,
+    gated_output: bool = False,
     config: Config | None = None,
 ) -> torch.Tensor:
     """`pro(x) @ weight.T (+ residual)` in one kernel (Triton); arguments as `small_linear_reference`.
@@ -153,20 +183,25 @@ def small_linear_triton(
     once the shape has been compiled by an earlier call.
 
     Args:
-      x: `[M, K]` (`[M, 2K]` when `gated`), M <= 16, rows may be strided.
+      x: `[M, K]` (`[M, 2K]` when `gated`), M <= 64 (16 with a prologue), rows may be strided.
       weight: `[N, K]`, x's dtype, contiguous along K.
-      norm_weight, eps, gated, residual: see `small_linear_reference`.
-      config: launch shape; `default_config(M, N, K, norm=..., gated=...)` when None.
+      norm_weight, eps, gated, residual, gated_output: see `small_linear_reference`.
+      config: launch shape; `default_config(M, N, K, norm=..., gated=...)` when None; a
+        tensor-core (`use_dot`) one with `gated_output`.
 
     Returns:
-      `[M, N]` contiguous, in x's dtype.
+      `[M, N]` contiguous (`[M, N / 2]` with `gated_output`), in x's dtype.
     """
     assert norm_weight is None or not gated, "one prologue at a time"
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == x.dtype
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     assert m <= MAX_ROWS, f"{m} rows: this kernel is for decode batches of at most {MAX_ROWS}"
+    assert m <= MAX_PROLOGUE_ROWS or (norm_weight is None and not gated), f"{m} rows: no prologue past {MAX_PROLOGUE_ROWS}"
     assert x.shape[1] == (2 * k if gated else k)
     assert weight.stride(1) == 1, "weight rows must be contiguous along K"
+    if gated_output:
+        assert residual is None and n % 2 == 0
+        n //= 2  # outputs: one per (gate, up) pair of weight rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -174,16 +209,17 @@ def small_linear_triton(
         assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1
     if residual is not None:
         assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
-    cfg = config or default_config(m, n, k, norm=norm_weight is not None, gated=gated)
+    cfg = config or default_config(m, n, k, norm=norm_weight is not None, gated=gated, gated_output=gated_output)
+    assert cfg.use_dot or not gated_output, "the gated epilogue runs on the tensor-core path"
     kernel = _kernel()
-    block_m = 16 if cfg.use_dot else triton_next_power_of_2(m)
+    block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
     # Without a norm or a residual the kernel never touches those pointers; x fills them.
     kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
         m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
         K=k,
         PROLOGUE=_NORM if norm_weight is not None else _GATED if gated else _PLAIN,
-        HAS_RESIDUAL=residual is not None,
+        HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
         # The norm's statistics pass unrolled (its loads all in flight at once) while the
@@ -211,7 +247,7 @@ def _kernel():
         M, N, stride_xm, stride_xk, stride_wn, stride_rm, eps,
         # K is a compile-time constant: a model has a handful of them, the K loop gets a
         # static trip count (pipelined, and a plain `range` the interpreter can run).
-        K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED_OUTPUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, UNROLL_STATS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -248,6 +284,9 @@ def _kernel():
                     sum_sq += xk.to(tl.float32) * xk.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)
 
+        # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
+        w_up_rows = w_rows + N * stride_wn
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if USE_DOT or not DEFER_REDUCE:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
@@ -275,6 +314,12 @@ def _kernel():
                 w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
             if USE_DOT:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+                if GATED_OUTPUT:
+                    if EVEN_K:
+                        w_up = tl.load(w_up_rows + k[None, :])
+                    else:
+                        w_up = tl.load(w_up_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+                    acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
             elif DEFER_REDUCE:
                 acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
             else:
@@ -282,7 +327,11 @@ def _kernel():
         if not USE_DOT and DEFER_REDUCE:
             acc = tl.sum(acc, axis=2)
 
-        y = acc.to(dtype)
+        if GATED_OUTPUT:  # both products rounded as the unfused projection's output is
+            gate = acc.to(dtype).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate)) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            y = acc.to(dtype)
         out_mask = row_ok[:, None] & col_ok[None, :]
         if HAS_RESIDUAL:
             r = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)

@@ -76,6 +76,35 @@ def test_every_batch_size_with_default_config(m):
     assert_matches(sl.small_linear_triton(x, weight, **kwargs), expected)
 
 
+@pytest.mark.parametrize("m", [17, 40, 64])
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+def test_plain_product_of_up_to_64_rows(m, residual):
+    """Past 16 rows the tensor-core tiles grow to 32 and 64 rows (the default config of
+    Llama-shaped weights, tiles shrunk to this test's small K and N)."""
+    x, weight, kwargs = make_inputs(m, 72, 160, torch.bfloat16, prologue="plain", residual=residual, seed=m)
+    assert sl.default_config(m, 4096, 4096).use_dot and sl.default_config(m, 28672, 4096).use_dot
+    config = sl.Config(block_n=32, block_k=64, use_dot=True)
+    assert_matches(sl.small_linear_triton(x, weight, config=config, **kwargs), sl.small_linear_reference(x, weight, **kwargs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [3, 40])
+def test_gated_output(m, dtype):
+    """silu(x @ W_gate.T) * (x @ W_up.T) in the epilogue, K off the block size (a tail step)."""
+    x, weight, _ = make_inputs(m, 2 * 40, 96, dtype, prologue="plain", residual=False, seed=m)
+    got = sl.small_linear_triton(x, weight, gated_output=True, config=sl.Config(block_n=16, block_k=64, use_dot=True))
+    want = sl.small_linear_reference(x, weight, gated_output=True)
+    assert want.shape == (m, 40)
+    assert not torch.allclose(want, sl.small_linear_reference(x, weight)[:, :40], atol=1e-2)  # the gate did something
+    assert_matches(got, want)
+
+
+def test_no_prologue_past_16_rows():
+    x, weight, kwargs = make_inputs(17, 32, 64, torch.bfloat16, prologue="norm", residual=False)
+    with pytest.raises(AssertionError, match="no prologue"):
+        sl.small_linear_triton(x, weight, **kwargs)
+
+
 def test_strided_input_rows():
     # x as a column slice of a wider buffer, the way a fused projection's output is split.
     x_wide, weight, kwargs = make_inputs(4, 64, 96, torch.bfloat16, prologue="gated", residual=False)
