@@ -19,10 +19,16 @@ def bf16_rounds_to_nearest(monkeypatch):
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         return  # compiled kernels round correctly already
-    import triton.language as tl
     from triton.runtime import interpreter
 
-    truncating = interpreter.InterpreterBuilder.cast_impl
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl",
+                        rounding_cast(interpreter.InterpreterBuilder.cast_impl))
+
+
+def rounding_cast(truncating):
+    """The interpreter's ``cast_impl`` with fp32 -> bf16 rounded to nearest even (``truncating`` otherwise)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
@@ -30,7 +36,23 @@ def bf16_rounds_to_nearest(monkeypatch):
             return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
         return truncating(self, src, dst_type)
 
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+    return cast_impl
+
+
+def dot_of_values(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's ``create_dot`` multiplying bf16 numbers, as a GPU does.
+
+    Triton 3.6's interpreter hands bf16 operands to numpy as their raw uint16 bits, so
+    a bf16 dot comes out as a product of integers; the GPU multiplies bf16 values exactly
+    and accumulates in fp32, which widening the bits to fp32 reproduces.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def as_float(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data
+
+    return interpreter.TensorHandle(np.matmul(as_float(a), as_float(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
 
 
 def assert_bf16_nearly_exact(actual, expected, min_exact=0.99):

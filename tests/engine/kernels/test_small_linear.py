@@ -1,36 +1,21 @@
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from spark.engine.kernels import small_linear as sl
-from tests.engine.kernels.conftest import assert_bf16_nearly_exact
+from tests.engine.kernels.conftest import assert_bf16_nearly_exact, dot_of_values
 
 
 @pytest.fixture(autouse=True)
 def exact_bf16_in_interpreter(bf16_rounds_to_nearest, monkeypatch):
-    """Round bf16 casts to nearest (conftest) and make the interpreter's bf16 `tl.dot` multiply numbers.
-
-    Triton 3.6's interpreter hands bf16 operands to numpy as their raw uint16 bits, so
-    a bf16 dot comes out as a product of integers; the GPU multiplies bf16 values exactly
-    and accumulates in fp32, which widening the bits to fp32 reproduces.
-    """
+    """Round bf16 casts to nearest (conftest) and make the interpreter's bf16 `tl.dot`
+    multiply numbers, not their bits (``conftest.dot_of_values``)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
-    import triton.language as tl
     from triton.runtime import interpreter
 
-    def as_float(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return (h.data.astype(np.uint32) << 16).view(np.float32)
-        return h.data
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        product = np.matmul(as_float(a), as_float(b), dtype=d.data.dtype)
-        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot_of_values)
 
 
 def make_inputs(m, n, k, dtype, *, prologue, residual, seed=0):
