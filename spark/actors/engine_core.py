@@ -25,6 +25,7 @@ import trio
 
 from spark import gc_tuning
 from spark.actors import gpu_runner, scheduler
+from spark.actors.channels import take_waiting
 from spark.actors.messages import Cancel, GenerateRequest, StreamOpen, Submission
 from spark.actors.scheduler_policy import SchedulerPolicy
 
@@ -199,11 +200,7 @@ async def send_outputs(stream_recv: trio.MemoryReceiveChannel, sends: queue.Simp
                 batch.append(await stream_recv.receive())
             except trio.EndOfChannel:
                 return
-        while True:
-            try:
-                batch.append(stream_recv.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
+        take_waiting(stream_recv, batch)
         updates = metrics.take()
         if batch or updates:
             messages = tuple(Opened(m.submission.request.request_id) if isinstance(m, StreamOpen) else m

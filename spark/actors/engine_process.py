@@ -31,6 +31,7 @@ from typing import Any
 import trio
 
 from spark.actors import engine_core as core
+from spark.actors.channels import take_waiting
 from spark.actors.messages import StreamOpen, Submission, TokenBatch
 from spark.engine.page_allocator import PageAllocator
 
@@ -164,12 +165,8 @@ class _CoreLink:
 
     async def forward_admissions(self, sends: queue.SimpleQueue) -> None:
         async for sub in self._admissions:
-            batch = [sub]
-            while len(self._moved) + len(batch) < self._window:  # everything else waiting, in one message
-                try:
-                    batch.append(self._admissions.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+            # Everything else waiting, in one message.
+            batch = take_waiting(self._admissions, [sub], limit=self._window - len(self._moved))
             now = trio.current_time()
             admits = []
             for sub in batch:
@@ -185,12 +182,7 @@ class _CoreLink:
 
     async def forward_cancels(self, cancels: trio.MemoryReceiveChannel, sends: queue.SimpleQueue) -> None:
         async for cancel in cancels:
-            batch = [cancel]
-            while True:
-                try:
-                    batch.append(cancels.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+            batch = take_waiting(cancels, [cancel])
             for c in batch:
                 if self._moved.pop(c.request_id, None) is not None:
                     self._room.set()

@@ -19,6 +19,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from spark.actors.channels import take_waiting
 from spark.actors.messages import StepResult, StepWork
 from spark.engine.engine import TokenOutput
 
@@ -93,12 +94,8 @@ async def hand_over(inbox: trio.MemoryReceiveChannel, works: queue.SimpleQueue) 
     would wait for every other runnable task each time.
     """
     async for work in inbox:
-        works.put(work)
-        while True:
-            try:
-                works.put(inbox.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
+        for each in take_waiting(inbox, [work]):
+            works.put(each)
 
 
 def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendChannel, capture_next) -> None:

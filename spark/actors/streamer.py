@@ -14,6 +14,7 @@ import logging
 import attrs
 import trio
 
+from spark.actors.channels import take_waiting
 from spark.actors.messages import (
     Cancel, Failed, RequestOutput, StreamOpen, Submission, TokenBatch, TokenLogprob,
 )
@@ -79,17 +80,13 @@ async def run(
         task_status.started()
         while True:
             try:
-                messages = [await inbox.receive()]
+                first = await inbox.receive()
             except trio.EndOfChannel:
                 return
             # Whatever else is waiting goes in the same turn: when the engine is ahead of the
             # event loop a stream then gets its tokens back to back, and its reader takes
             # them as one piece (``RequestStream``) instead of one per step.
-            while True:
-                try:
-                    messages.append(inbox.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+            messages = take_waiting(inbox, [first])
             for msg in messages:
                 if isinstance(msg, TokenBatch):
                     await _on_batch(streams, msg, tokenizer, cancels, metrics)
