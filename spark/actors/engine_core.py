@@ -167,7 +167,7 @@ async def run_session(engine, conn, config, capture) -> bool:
     sends: queue.SimpleQueue = queue.SimpleQueue()
     sender = threading.Thread(target=send_loop, args=(conn, sends), name="spark-core-send", daemon=True)
     sender.start()
-    stopping: list[bool] = []
+    stop_asked = threading.Event()  # the parent closed the process, not just the session
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(gpu_runner.run_in_thread, capture_next=capture),
@@ -179,13 +179,13 @@ async def run_session(engine, conn, config, capture) -> bool:
             nursery.start_soon(send_outputs, stream_recv, sends, metrics)
             receiver = threading.Thread(
                 target=_recv_loop, args=(conn, trio.lowlevel.current_trio_token(), admissions_send, cancels_send,
-                                         nursery.cancel_scope, stopping),
+                                         nursery.cancel_scope, stop_asked),
                 name="spark-core-recv", daemon=True)
             receiver.start()
     finally:
         sends.put(None)
         sender.join()
-    return bool(stopping)
+    return stop_asked.is_set()
 
 
 async def send_outputs(stream_recv: trio.MemoryReceiveChannel, sends: queue.SimpleQueue,
@@ -209,7 +209,7 @@ async def send_outputs(stream_recv: trio.MemoryReceiveChannel, sends: queue.Simp
 
 
 def _recv_loop(conn, token, admissions: trio.MemorySendChannel, cancels: trio.MemorySendChannel,
-               session: trio.CancelScope, stopping: list[bool]) -> None:
+               session: trio.CancelScope, stop_asked: threading.Event) -> None:
     """Put what the parent sends into the scheduler's channels, until the session ends."""
     while True:
         try:
@@ -218,7 +218,7 @@ def _recv_loop(conn, token, admissions: trio.MemorySendChannel, cancels: trio.Me
             message = None
         if message is None or isinstance(message, EndSession):
             if message is None:
-                stopping.append(True)
+                stop_asked.set()
             try:
                 token.run_sync_soon(session.cancel)
             except trio.RunFinishedError:

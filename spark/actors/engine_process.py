@@ -32,12 +32,12 @@ import trio
 
 from spark.actors import engine_core as core
 from spark.actors.channels import take_waiting
+from spark.actors.scheduler import remember_cancel
 from spark.actors.messages import StreamOpen, Submission, TokenBatch
 from spark.engine.page_allocator import PageAllocator
 
 log = logging.getLogger("spark.engine_process")
 
-_MAX_EARLY_CANCELS = 10_000
 _JOIN_SECONDS = 30.0  # a session's end waits this long for the child's steps under way
 
 
@@ -187,9 +187,7 @@ class _CoreLink:
                 if self._moved.pop(c.request_id, None) is not None:
                     self._room.set()
                 else:  # queued here still, or started: the child ignores what it does not know
-                    self._cancelled[c.request_id] = None
-                    while len(self._cancelled) > _MAX_EARLY_CANCELS:
-                        self._cancelled.popitem(last=False)
+                    remember_cancel(self._cancelled, c.request_id)
             sends.put(batch)
 
     def on_output(self, out: core.Out) -> None:

@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 
 import trio
 
+from spark.actors.channels import take_waiting
 from spark.actors.messages import (
     Failed, StepResult, StepWork, StreamOpen, Submission, TokenBatch,
 )
@@ -73,11 +74,7 @@ async def run(
             # hundreds of streams writing their tokens that is milliseconds, which a step
             # per await would pay several times over. So results, admissions and plans are
             # taken and handed on without waiting while channels allow.
-            while inflight:
-                try:
-                    result: StepResult = from_runner.receive_nowait()
-                except trio.WouldBlock:
-                    break
+            for result in take_waiting(from_runner, [], limit=len(inflight)):
                 await _account(state, inflight.popleft(), result, to_streamer, metrics)
             _apply_cancels(state)
             _update_gauges(state, metrics)
@@ -121,10 +118,17 @@ async def _hand_on(channel: trio.MemorySendChannel, message) -> None:
 
 async def _listen_for_cancels(cancels: trio.MemoryReceiveChannel, state: _State) -> None:
     async for msg in cancels:
-        state.cancelled[msg.request_id] = None
-        while len(state.cancelled) > _MAX_EARLY_CANCELS:
-            state.cancelled.popitem(last=False)
+        remember_cancel(state.cancelled, msg.request_id)
         state.wake.set()
+
+
+def remember_cancel(cancelled: OrderedDict, request_id: str) -> None:
+    """Note a cancel that may name a request not taken from the queue yet: it is dropped
+    when taken. Only the newest ``_MAX_EARLY_CANCELS`` are kept (most name requests that
+    ended already)."""
+    cancelled[request_id] = None
+    while len(cancelled) > _MAX_EARLY_CANCELS:
+        cancelled.popitem(last=False)
 
 
 def _apply_cancels(state: _State) -> None:

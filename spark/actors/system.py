@@ -41,6 +41,7 @@ __all__ = ["SparkSystem", "SubmitError", "open_system"]
 
 log = logging.getLogger("spark.system")
 
+
 class SparkSystem:
     """What the HTTP layer holds: ``submit``, the tokenizer, names, limits, health and metrics."""
 
