@@ -15,6 +15,7 @@ import torch.nn.functional as F
 # that only ever calls the reference may not have triton at all.
 triton = None
 tl = None
+_silu_mul = None  # bound by `jit_silu_mul()`: Triton finds a called function among the caller's globals
 
 # Columns per program: enough work per program for wide rows, few programs idle on narrow ones.
 _BLOCK_I = 1024
@@ -59,12 +60,33 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def jit_silu_mul():
+    """JIT and return `silu_mul(gate, up)` on fp32 tensors, which this module's kernel and
+    the small-row linear's gate prologue and epilogue (small_linear.py) share: the gate is
+    the same bits wherever it is computed."""
+    global triton, tl, _silu_mul
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_mul(gate, up):
+        # silu(g) = g / (1 + exp(-g)), the form torch uses; exp(-g) = inf for very
+        # negative g gives -0, not NaN.
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    _silu_mul = silu_mul
+    return silu_mul
+
+
+@functools.cache
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
     global triton, tl
     import triton
     import triton.language as tl
+
+    jit_silu_mul()
 
     @triton.jit
     def silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_xi, inter, BLOCK: tl.constexpr):
@@ -75,9 +97,7 @@ def _kernel():
         # fp32 loads: the interpreter mishandles bf16 arithmetic, and fp32 is what the reference uses.
         gate = tl.load(x_row + cols * stride_xi, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(x_row + (cols + inter) * stride_xi, mask=ok, other=0.0).to(tl.float32)
-        # silu(g) = g / (1 + exp(-g)), the form torch uses; exp(-g) = inf for very
-        # negative g gives -0, not NaN.
-        out = gate / (1.0 + tl.exp(-gate)) * up
+        out = _silu_mul(gate, up)
         tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     return silu_and_mul_kernel

@@ -40,6 +40,7 @@ from spark.engine.kernels import activation, launch, norm
 # that only ever calls the reference may not have triton at all.
 triton = None
 tl = None
+_silu_mul = None  # activation's SwiGLU gate, bound by `_kernel()`: the same bits as the unfused kernel
 
 MAX_ROWS = 64
 MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
@@ -236,10 +237,12 @@ def small_linear_triton(
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
-    global triton, tl
+    global triton, tl, _silu_mul
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
+
+    _silu_mul = activation.jit_silu_mul()
 
     @triton.jit
     def small_linear_kernel(
@@ -301,7 +304,7 @@ def _kernel():
             if PROLOGUE == 2:
                 gate = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
                 up = tl.load(x_rows + (k + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-                a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+                a = _silu_mul(gate, up).to(dtype)
             else:
                 a = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0)
                 if PROLOGUE == 1:
@@ -329,7 +332,7 @@ def _kernel():
 
         if GATED_OUTPUT:  # both products rounded as the unfused projection's output is
             gate = acc.to(dtype).to(tl.float32)
-            y = (gate / (1.0 + tl.exp(-gate)) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+            y = _silu_mul(gate, acc_up.to(dtype).to(tl.float32)).to(dtype)
         else:
             y = acc.to(dtype)
         out_mask = row_ok[:, None] & col_ok[None, :]
