@@ -13,6 +13,7 @@ import functools
 triton = None
 tl = None
 _attend_step = None  # bound by `attend_keys()`, for `attend_keys` to call
+_load_block = _attend_block = None  # the two halves of a step, bound by `attend_keys()`
 
 
 @functools.cache
@@ -20,19 +21,18 @@ def attend_keys():
     """JIT and return ``attend_keys(q, m_i, l_i, acc, start, end, last_key, table, k_cache_ptr,
     v_cache_ptr, kv_head, strides..., dims, dim_ok, qk_scale_log2, PAGE_SIZE, BLOCK_N,
     HALF_DOT, PRECISION, NUM_STAGES) -> (m_i, l_i, acc)``."""
-    global triton, tl, _attend_step
+    global triton, tl, _attend_step, _load_block, _attend_block
     import triton
     import triton.language as tl
 
     @triton.jit
-    def attend_step(
-        q, m_i, l_i, acc, n0, kv_end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
-        stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    def load_block(
+        n0, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head,
+        stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr,
     ):
-        """One online-softmax step over keys [n0, n0 + BLOCK_N) below `kv_end`, gathered
-        through the block-table row `table`; query row r sees keys <= `last_key[r]`.
-        Returns the new (m_i, l_i, acc)."""
+        """K and V `[BLOCK_N, BLOCK_D]` of keys [n0, n0 + BLOCK_N) below `kv_end`, gathered
+        through the block-table row `table`; keys past `kv_end` load as zeros."""
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         # Gather token by token: any page size, any page order. Masked keys read
@@ -46,16 +46,37 @@ def attend_keys():
         if not HALF_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        return k, v
+
+    @triton.jit
+    def attend_block(
+        q, m_i, l_i, acc, k, v, n0, kv_end, last_key, qk_scale_log2,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One online-softmax step over the loaded keys [n0, n0 + BLOCK_N) below `kv_end`;
+        query row r sees keys <= `last_key[r]`. Returns the new (m_i, l_i, acc)."""
+        keys = n0 + tl.arange(0, BLOCK_N)
         # Scale after the dot so that half operands are not rounded a second time; scores
         # come out in log2 units, so exp2 below is exp of the scaled score.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-        s = tl.where((keys[None, :] <= last_key[:, None]) & key_ok[None, :], s, float("-inf"))
+        s = tl.where((keys[None, :] <= last_key[:, None]) & (keys < kv_end)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
+
+    @triton.jit
+    def attend_step(
+        q, m_i, l_i, acc, n0, kv_end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+        stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """`load_block` then `attend_block`."""
+        k, v = _load_block(n0, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head,
+                           stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT)
+        return _attend_block(q, m_i, l_i, acc, k, v, n0, kv_end, last_key, qk_scale_log2, BLOCK_N, PRECISION)
 
     @triton.jit
     def attend_keys(
@@ -87,5 +108,12 @@ def attend_keys():
                 n0 += BLOCK_N
         return m_i, l_i, acc
 
-    _attend_step = attend_step
+    _load_block, _attend_block, _attend_step = load_block, attend_block, attend_step
     return attend_keys
+
+
+def steps():
+    """`attend_keys()` and its two halves, `(load_block, attend_block)`, for a kernel that
+    loads its first keys early (before waiting on the previous kernel)."""
+    attend_keys()
+    return _load_block, _attend_block

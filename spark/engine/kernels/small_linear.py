@@ -12,12 +12,16 @@ the activations through memory:
 - epilogue `gated_output`: `y = silu(x @ W_gate.T) * (x @ W_up.T)`, W = [W_gate; W_up] (the
   w13 projection with the SwiGLU after it, for batches past the prologue rows).
 
-Rounding follows the unfused ops, so either can stand in for the other: the norm
-normalises in fp32, rounds to x's dtype, then multiplies by the weight and rounds
-(as `norm.rms_norm_reference`); the gate computes in fp32 and rounds once (as
-`activation.silu_and_mul_reference`), from products rounded to x's dtype when it is
-an epilogue; the product accumulates in fp32 and rounds
-to x's dtype before the residual is added in that dtype (as eager `h = x + linear(...)`).
+Rounding follows the unfused ops, so either can stand in for the other, except in
+the norm: the gate computes in fp32 and rounds once (as `activation.silu_and_mul_reference`),
+from products rounded to x's dtype when it is an epilogue; the product accumulates in
+fp32 and rounds to x's dtype before the residual is added in that dtype (as eager
+`h = x + linear(...)`). The norm is folded in as `rstd * (W @ (x * norm_weight))`, `x * norm_weight`
+rounded to x's dtype (the dot's operand) and the rest in fp32: the sum of squares gathers in the same pass over x as the product, and the
+weight stream starts at once, where a statistics pass first would leave it waiting on
+x's round trip. It skips the unfused norm's two roundings of the normalised x to x's
+dtype for one, so it is closer to exact than they are (within a few bf16 ulps of
+them where outputs cancel).
 Every program writes its own outputs, with no atomics: results are deterministic.
 
 From 17 to 64 rows the kernel takes no prologue: each program would recompute it for
@@ -33,7 +37,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from spark.engine.kernels import activation, launch, norm
+from spark.engine.kernels import activation, launch
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -41,6 +45,7 @@ from spark.engine.kernels import activation, launch, norm
 triton = None
 tl = None
 _silu_mul = None  # activation's SwiGLU gate, bound by `_kernel()`: the same bits as the unfused kernel
+_load_weight = _activation_tile = _product = None  # the kernel's steps, bound by `_kernel()` for it to call
 
 MAX_ROWS = 64
 MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
@@ -60,6 +65,11 @@ class Config:
         and a reduction over K in registers.
       defer_reduce: without `use_dot`, keep per-lane partial sums `[M, block_n, block_k]`
         and reduce them across K once after the loop, instead of after every step.
+      early_tile: load the first weight tile before waiting on the previous kernel (PDL on
+        Hopper): it is no earlier kernel's output, and its round trip overlaps the previous
+        kernel's tail. It pays for small weights, whose kernels are mostly latency; for
+        long weight streams it costs, the early programs' loads slowing the kernel still
+        draining (8B batch 1 on an H200: 235.6 tok/s with it, 239.9 without).
     """
 
     block_n: int
@@ -68,10 +78,25 @@ class Config:
     num_stages: int = 3
     use_dot: bool = False
     defer_reduce: bool = True
+    early_tile: bool = False
+
+
+# Weights up to this size load their first tile early (`Config.early_tile`): SmolLM2's
+# are at most 3.5 MB, Llama-3.1-8B's at least 33.5 MB.
+EARLY_TILE_MAX_BYTES = 8 << 20
 
 
 def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
                    gated_output: bool = False) -> Config:
+    """`tiling(...)`, with the first weight tile loaded early for a small weight (not
+    with a gated output, whose two tiles a step the early path does not load)."""
+    cfg = tiling(m, n, k, norm=norm, gated=gated, gated_output=gated_output)
+    small = n * k * 2 <= EARLY_TILE_MAX_BYTES
+    return attrs.evolve(cfg, early_tile=True) if small and not gated_output else cfg
+
+
+def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
+           gated_output: bool = False) -> Config:
     """The launch shape for `m` rows of a `[n, k]` bf16 weight with the given prologue,
     the fastest of a sweep on an H200 (benchmarks/small_linear_bench.py) for Llama-3.1-8B
     and SmolLM2-135M shapes.
@@ -97,8 +122,8 @@ def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = 
         return Config(128, 128, num_stages=4, use_dot=True) if wide else dot
     if k >= 2048:
         if m == 1:
-            if norm:
-                return Config(8, 1024, defer_reduce=False)
+            if norm:  # wqkv: 2 warps measured 1.1-1.7 us a layer faster in the decode chain
+                return Config(8, 1024, defer_reduce=False) if wide else Config(8, 512, num_warps=2)
             return long_runs if gated or n * k * 2 >= 96 << 20 else small
         if m == 2 and (norm or gated):
             return long_runs if norm else small
@@ -147,7 +172,9 @@ def small_linear_reference(
     Args:
       x: `[M, K]`, or `[M, 2K]` when `gated` (gate columns first).
       weight: `[N, K]`, an `nn.Linear` weight, x's dtype.
-      norm_weight: `[K]`; when given, `pro(x) = rms_norm(x) * norm_weight`.
+      norm_weight: `[K]`; when given, `pro(x) = rms_norm(x) * norm_weight`, here in fp32
+        with the rstd applied to the product (as the kernel; `norm.rms_norm_reference`
+        would round the normalised x twice to x's dtype).
       eps: added to the mean square before the rsqrt.
       gated: `pro(x) = silu(x[:, :K]) * x[:, K:]`, computed in fp32 and rounded once.
       residual: `[M, N]`, x's dtype, added to the rounded product.
@@ -158,10 +185,14 @@ def small_linear_reference(
     """
     assert norm_weight is None or not gated, "one prologue at a time"
     if norm_weight is not None:
-        x = norm.rms_norm_reference(x, norm_weight, eps)
-    elif gated:
-        x = activation.silu_and_mul_reference(x)
-    y = F.linear(x.float(), weight.float()).to(x.dtype)
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        scaled = (xf * norm_weight.float()).to(x.dtype)
+        y = (F.linear(scaled.float(), weight.float()) * rstd).to(x.dtype)
+    else:
+        if gated:
+            x = activation.silu_and_mul_reference(x)
+        y = F.linear(x.float(), weight.float()).to(x.dtype)
     if gated_output:
         y = activation.silu_and_mul_reference(y)
     return y if residual is None else y + residual
@@ -212,6 +243,7 @@ def small_linear_triton(
         assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
     cfg = config or default_config(m, n, k, norm=norm_weight is not None, gated=gated, gated_output=gated_output)
     assert cfg.use_dot or not gated_output, "the gated epilogue runs on the tensor-core path"
+    assert not (cfg.early_tile and gated_output), "the early tile is the gate's alone"
     kernel = _kernel()
     block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
     # Without a norm or a residual the kernel never touches those pointers; x fills them.
@@ -223,11 +255,8 @@ def small_linear_triton(
         HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
-        # The norm's statistics pass unrolled (its loads all in flight at once) while the
-        # rows fit in registers: about 64 fp32 values per thread.
-        UNROLL_STATS=block_m * k <= 64 * 32 * cfg.num_warps,
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
     return out
@@ -245,6 +274,51 @@ def _kernel():
     _silu_mul = activation.jit_silu_mul()
 
     @triton.jit
+    def load_weight(w_rows, k, K: tl.constexpr, EVEN_K: tl.constexpr):
+        """A `[BN, BK]` weight tile at columns `k`; unmasked (16-byte loads) when BLOCK_K divides K."""
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+        return w
+
+    @triton.jit
+    def activation_tile(x_rows, k, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K: tl.constexpr, PROLOGUE: tl.constexpr):
+        """`pro(x)` at columns `k`, in x's dtype, and the norm's sums of squares with these columns added."""
+        x_mask = row_ok[:, None] & (k < K)[None, :]
+        # Prologue in fp32 (the interpreter mishandles bf16 arithmetic). Masked lanes load 0 and give 0.
+        if PROLOGUE == 2:
+            gate = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + (k + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+            a = _silu_mul(gate, up).to(dtype)
+        else:
+            a = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                # RMSNorm(x) * g = rstd * (x * g): the sum of squares gathers along the same
+                # pass and rstd scales the fp32 product at the end, so the weight stream
+                # starts at once instead of after a statistics pass over x.
+                xf = a.to(tl.float32)
+                sum_sq += xf * xf
+                g = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                a = (xf * g[None, :]).to(dtype)  # the dot's operand type, on both paths
+        return a, sum_sq
+
+    @triton.jit
+    def product(acc, a, w, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """`acc` plus the tile product `a @ w.T` (per lane along K with DEFER_REDUCE)."""
+        # One return: Triton generates the code after a return in a constexpr branch too.
+        if USE_DOT:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        elif DEFER_REDUCE:
+            acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+        else:
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    global _load_weight, _activation_tile, _product
+    _load_weight, _activation_tile, _product = load_weight, activation_tile, product
+
+    @triton.jit
     def small_linear_kernel(
         x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr,
         M, N, stride_xm, stride_xk, stride_wn, stride_rm, eps,
@@ -252,12 +326,9 @@ def _kernel():
         # static trip count (pipelined, and a plain `range` the interpreter can run).
         K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED_OUTPUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, UNROLL_STATS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # x and the residual come from earlier kernels
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         dtype = out_ptr.dtype.element_ty
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -266,69 +337,41 @@ def _kernel():
         # The last program's spare outputs re-read weight row N - 1 instead of masking:
         # the weight loads, the whole cost, stay unmasked and 16 bytes wide.
         w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         ks = tl.arange(0, BLOCK_K)
-
-        if PROLOGUE == 1:
-            # Each program computes the rows' rms itself: x is a few KB, read from L2,
-            # cheaper than a launch that would share it. Per-lane sums, reduced once; and
-            # unrolled where registers allow, so that all its loads are in flight
-            # together: one L2 round trip before the weight stream starts, not one per step.
-            sum_sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-            if UNROLL_STATS:
-                for k0 in tl.static_range(0, K, BLOCK_K):
-                    k = k0 + ks
-                    xk = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-                    sum_sq += xk.to(tl.float32) * xk.to(tl.float32)
-            else:
-                for k0 in range(0, K, BLOCK_K):
-                    k = k0 + ks
-                    xk = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-                    sum_sq += xk.to(tl.float32) * xk.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)
-
+        if EARLY_TILE:
+            # The weights are no earlier kernel's output: the first tile loads before the
+            # wait, in flight while the previous kernel drains (see `Config.early_tile`).
+            w_first = _load_weight(w_rows, ks, K, EVEN_K)
+        if PDL:  # x and the residual come from earlier kernels
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if PROLOGUE == 1:
+            sum_sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # the norm's per-lane sums of squares
+        else:
+            sum_sq = tl.zeros([1, 1], tl.float32)  # unused
         if USE_DOT or not DEFER_REDUCE:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
             # Per-lane partial sums, reduced across K once after the loop: the loop body
             # is loads and FMAs only, no shuffles or shared-memory round trips per step.
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if EARLY_TILE:  # the first step, on the early tile
+            a, sum_sq = _activation_tile(x_rows, ks, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K, PROLOGUE)
+            acc = _product(acc, a, w_first, USE_DOT, DEFER_REDUCE, DOT_PRECISION)
+        for k0 in range(BLOCK_K if EARLY_TILE else 0, K, BLOCK_K):
             k = k0 + ks
-            x_mask = row_ok[:, None] & (k < K)[None, :]
-            # Prologue in fp32 (the interpreter mishandles bf16 arithmetic), rounded to
-            # x's dtype where the unfused ops round. Masked lanes load 0 and give 0.
-            if PROLOGUE == 2:
-                gate = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_rows + (k + K)[None, :] * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-                a = _silu_mul(gate, up).to(dtype)
-            else:
-                a = tl.load(x_rows + k[None, :] * stride_xk, mask=x_mask, other=0.0)
-                if PROLOGUE == 1:
-                    g = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                    normed = (a.to(tl.float32) * rstd[:, None]).to(dtype)
-                    a = (normed.to(tl.float32) * g[None, :]).to(dtype)
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])  # [BN, BK]
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-            if USE_DOT:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-                if GATED_OUTPUT:
-                    if EVEN_K:
-                        w_up = tl.load(w_up_rows + k[None, :])
-                    else:
-                        w_up = tl.load(w_up_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-                    acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-            elif DEFER_REDUCE:
-                acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-            else:
-                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            a, sum_sq = _activation_tile(x_rows, k, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K, PROLOGUE)
+            acc = _product(acc, a, _load_weight(w_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION)
+            if GATED_OUTPUT:
+                acc_up = _product(acc_up, a, _load_weight(w_up_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION)
         if not USE_DOT and DEFER_REDUCE:
             acc = tl.sum(acc, axis=2)
+        if PROLOGUE == 1:
+            acc = acc * tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
 
         if GATED_OUTPUT:  # both products rounded as the unfused projection's output is
             gate = acc.to(dtype).to(tl.float32)

@@ -262,6 +262,24 @@ def test_decode_rope_triton_matches_reference(page_size, num_kv_heads, group, he
     assert all(torch.equal(a, b) for a, b in zip(qkv, fused_before))  # inputs untouched
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("context", [1, 17, 65, 129, 300])
+def test_decode_rope_triton_batch_1_early_loads(context, num_splits, monkeypatch):
+    """Batch 1 loads its first key block and positions before the wait on the previous
+    kernel (`EARLY_LOADS`): the reference's result, and the same as without them."""
+    from spark.engine.kernels import paged_attention
+
+    step = _decode_step([context], 16, 1, 4, 128, seed=context)
+    early, k_early, v_early = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
+    expected, k_ref, _ = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+    torch.testing.assert_close(early, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_early, k_ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    monkeypatch.setattr(paged_attention, "EARLY_LOADS", False)
+    late, k_late, v_late = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
+    torch.testing.assert_close(early, late, rtol=1e-6, atol=1e-6)
+    assert torch.equal(k_early.nan_to_num(), k_late.nan_to_num()) and torch.equal(v_early.nan_to_num(), v_late.nan_to_num())
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
 def test_decode_rope_triton_bf16(cache_dtype, bf16_rounds_to_nearest):
     step = _decode_step([5, 0, 65, 130], 16, 2, 4, 64, torch.bfloat16, cache_dtype)

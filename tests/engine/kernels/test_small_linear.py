@@ -40,16 +40,18 @@ def assert_matches(actual, expected):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("early_tile", [False, True], ids=["", "early_tile"])
 @pytest.mark.parametrize("path", ["deferred", "each_step", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("prologue", ["plain", "norm", "gated"])
-def test_matches_reference(prologue, residual, dtype, path):
+def test_matches_reference(prologue, residual, dtype, path, early_tile):
     # K and N off the block sizes: a tail step along K and a partial last program along N.
     cases = {"plain": (3, 100, 200), "norm": (8, 48, 136), "gated": (5, 72, 96)}
     m, n, k = cases[prologue]
     x, weight, kwargs = make_inputs(m, n, k, dtype, prologue=prologue, residual=residual)
-    config = sl.Config(block_n=16, block_k=64, use_dot=path == "dot", defer_reduce=path == "deferred")
+    config = sl.Config(block_n=16, block_k=64, use_dot=path == "dot", defer_reduce=path == "deferred",
+                       early_tile=early_tile)
     assert_matches(sl.small_linear_triton(x, weight, config=config, **kwargs), sl.small_linear_reference(x, weight, **kwargs))
 
 
@@ -108,8 +110,30 @@ def test_prologues_change_the_result():
     assert not torch.allclose(plain, sl.small_linear_reference(gate_up, weight, gated=True), atol=1e-2)
 
 
+def test_early_tile_for_small_weights_only():
+    assert sl.default_config(1, 960, 576, norm=True).early_tile  # SmolLM2's wqkv
+    assert not sl.default_config(1, 4096, 4096).early_tile  # Llama-3.1-8B's wo
+    assert not sl.default_config(40, 2 * 96, 576, gated_output=True).early_tile
+    x, weight, _ = make_inputs(3, 2 * 40, 96, torch.bfloat16, prologue="plain", residual=False)
+    with pytest.raises(AssertionError, match="early tile"):
+        sl.small_linear_triton(x, weight, gated_output=True,
+                               config=sl.Config(block_n=16, block_k=64, use_dot=True, early_tile=True))
+
+
 def test_default_config_fills_the_gpu():
     # Llama-3.1-8B's wo at batch 1: at least 2 programs for each of an H200's 132 SMs.
     cfg = sl.default_config(1, 4096, 4096)
     assert -(-4096 // cfg.block_n) >= 2 * 132 and not cfg.use_dot
     assert sl.default_config(8, 4096, 4096).use_dot
+
+
+def test_folded_norm_stays_close_to_the_unfused_ops():
+    """The kernel's norm (rstd on the fp32 product) against rms_norm then linear, which
+    round the normalised x twice: the same outputs up to those roundings."""
+    from spark.engine.kernels import norm
+
+    x, weight, kwargs = make_inputs(4, 256, 512, torch.bfloat16, prologue="norm", residual=False)
+    fused = sl.small_linear_reference(x, weight, **kwargs).float()
+    unfused = torch.nn.functional.linear(norm.rms_norm_reference(x, kwargs["norm_weight"], 1e-6), weight).float()
+    assert (fused - unfused).abs().max() < 0.02 * unfused.abs().max()
+    assert torch.nn.functional.cosine_similarity(fused.flatten(), unfused.flatten(), dim=0) > 0.9999
