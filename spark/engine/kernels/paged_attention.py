@@ -379,6 +379,8 @@ def _kernels():
         row_ok = rows < group
         dim_ok = dims < head_dim
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        half = head_dim // 2
+        lane = dims % half  # rope's frequency lane of each dim
         if EARLY_LOADS:
             # The block table, the lengths, the positions and the cached keys are no earlier
             # kernel's output in this step (the new token's K/V is written below, and not
@@ -390,7 +392,7 @@ def _kernels():
                 start, tl.minimum(end, seq_len - 1), table, k_cache_ptr, v_cache_ptr, kv_head,
                 stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT)
             # The positions too: the rotation's cos/sin, libdevice's range-reduced calls, also.
-            cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, dims % (head_dim // 2), dim_ok, stride_f)
+            cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
         if PDL:  # everything below reads what earlier kernels wrote
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -405,8 +407,6 @@ def _kernels():
             # `x2*cos + x1*sin` (second half): the rope kernel's expressions term for term, so
             # they compile to the same FMAs (checked in the sm_90 PTX) and k matches its bits.
             # cos/sin from rope.py's own helper, over the lanes; fp32 loads for the interpreter's sake.
-            half = head_dim // 2
-            lane = dims % half
             first = (dims < half)[None, :]
             if not EARLY_LOADS:
                 cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
@@ -445,13 +445,13 @@ def _kernels():
         if HALF_DOT:
             q_dot = q.to(k_cache_ptr.dtype.element_ty)
         last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1  # every row sees the whole partition
-        first = start
+        loop_start = start
         if EARLY_LOADS:
             m_i, l_i, acc = _attend_block(q_dot, m_i, l_i, acc, k_first, v_first, start, end, last_key,
                                           qk_scale_log2, BLOCK_N, PRECISION)
-            first = start + BLOCK_N
+            loop_start = start + BLOCK_N
         m_i, l_i, acc = _attend_keys(
-            q_dot, m_i, l_i, acc, first, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
+            q_dot, m_i, l_i, acc, loop_start, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
             stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
             PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
 
