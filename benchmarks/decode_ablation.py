@@ -1,13 +1,13 @@
 """In-chain cost of each piece of a graphed decode step, and A/Bs of kernel knobs, on a GPU.
 
-    python benchmarks/decode_ablation.py [PRESET] [MAX_MODEL_LEN] [BATCH] [VARIANT,VARIANT...]
-    e.g. python benchmarks/decode_ablation.py llama-3.1-8b 272 1 base,skip_wo,no_early_loads,base2
+    python benchmarks/decode_ablation.py [PRESET] [MAX_MODEL_LEN] [BATCH,BATCH..] [VARIANT,VARIANT...]
+    e.g. python benchmarks/decode_ablation.py llama-3.1-8b 272 1,64 base,skip_wo,no_early_wo,base2
 
 Times the CUDA-graphed decode step (offline_decode's loop, median of 3) with one piece
 skipped (its output left uninitialised: the tokens are wrong by design, the time is
 that piece's cost inside the PDL chain) or one knob changed (early loads, early weight
-tiles, a projection's launch config). Prints us/layer saved against the base runs;
-writes JSON to $OUT (or the current directory).
+tiles, a projection's launch config at the batch timed, alone or with others). Prints us/layer saved against the base runs of the same batch; writes JSON to
+$OUT (or the current directory).
 """
 import json
 import os
@@ -23,7 +23,7 @@ import spark.engine.models.llama as llama
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
 mml = int(sys.argv[2]) if len(sys.argv) > 2 else 272
-batch = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+batches = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
 only = sys.argv[4].split(",") if len(sys.argv) > 4 else None
 engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model_len=mml,
                      kv_cache_bytes=4 << 30)
@@ -38,7 +38,7 @@ class Noop:
 
 def skip_shape(shape):
     def f(x, weight, **kw):
-        if tuple(weight.shape) == shape and x.shape[0] == 1:
+        if tuple(weight.shape) == shape and x.shape[0] == batch:
             return x.new_empty(x.shape[0], weight.shape[0])
         return real_sl(x, weight, **kw)
     return f
@@ -48,9 +48,10 @@ D, I = c.hidden_size, c.intermediate_size
 qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
 real_cfg = sl.default_config
 real_early = sl.EARLY_TILE_MAX_BYTES
-def cfg_for(shape, cfg):
+def cfg_for(by_shape):
+    """default_config with the launch configs of `by_shape` ({(n, k): Config}) at the batch timed."""
     def f(m, n, k, **kw):
-        return cfg if (m == 1 and (n, k) == shape) else real_cfg(m, n, k, **kw)
+        return by_shape[(n, k)] if (m == batch and (n, k) in by_shape) else real_cfg(m, n, k, **kw)
     return f
 C = sl.Config
 WQKV, WO, W13, W2 = (qkv, D), (D, c.num_heads * c.head_dim), (2 * I, D), (D, I)
@@ -60,34 +61,79 @@ variants = {
     "no_early_tile": {"early_max": 0},
 }
 if preset == "llama-3.1-8b":
-    for name, shape, cfgs in [
-        ("wqkv", WQKV, [C(8, 512, num_warps=2), C(8, 1024, defer_reduce=False, num_warps=2), C(4, 1024, num_warps=2)]),
-        ("w13", W13, [C(8, 1024, defer_reduce=False, num_warps=2)]),
-        ("w2", W2, [C(4, 2048, defer_reduce=False, num_warps=2)]),
-        ("wo", WO, [C(4, 1024, num_warps=2)]),
+    one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731 (the FMA path)
+    dot = lambda bn, bk, **kw: C(bn, bk, use_dot=True, **kw)  # noqa: E731 (tensor cores, 33-64 rows)
+
+    def tag(cfg):
+        t = f"{cfg.block_n}x{cfg.block_k}{'d' if cfg.defer_reduce and not cfg.use_dot else ''}w{cfg.num_warps}"
+        return t + f"{'s%d' % cfg.num_stages if cfg.use_dot else ''}{'e' if cfg.early_tile else ''}"
+
+    # (n, k) as default_config sees them: w13's gated output halves its n.
+    for name, shapes, cfgs in [
+        ("wqkv", [WQKV], [C(8, 512, num_warps=2, early_tile=True), one(8, 1024, num_warps=2), one(8, 2048, num_warps=2),
+                          one(8, 4096), dot(64, 128, num_stages=4)]),
+        ("w13", [W13, (I, D)], [one(8, 1024, num_warps=2), one(8, 2048), one(8, 2048, num_warps=2), one(16, 2048),
+                                one(8, 4096), dot(64, 64, num_stages=6)]),
+        ("w2", [W2], [one(8, 2048), one(8, 2048, num_warps=8), one(8, 2048, num_warps=2), one(16, 2048), C(8, 2048),
+                      dot(64, 128, num_stages=4)]),
+        ("wo", [WO], [one(8, 2048), one(8, 4096), one(4, 4096), dot(64, 128, num_stages=4)]),
     ]:
         for cfg in cfgs:
-            variants[f"{name}:{cfg.block_n}x{cfg.block_k}{'d' if cfg.defer_reduce else ''}w{cfg.num_warps}"] = {"cfg": cfg_for(shape, cfg)}
+            variants[f"{name}:{tag(cfg)}"] = {"cfg": cfg_for({s: cfg for s in shapes}),
+                                              "rows": "dot" if cfg.use_dot else "one"}
+    # The one-row launch shapes before the sweep of 2026-12-01 (an A/B of that change).
+    variants["before_one_row_sweep"] = {"cfg": cfg_for({
+        WQKV: C(8, 512, num_warps=2), WO: C(8, 512), W13: one(8, 1024), W2: one(4, 2048)}), "rows": "one"}
+
+    def triton_wqkv(cfg):
+        """Attention.forward with wqkv in the small-row kernel at the batch timed (cuBLAS's at 33-64 rows)."""
+        def forward(self, x, rope, k_cache, v_cache, meta):
+            qkv = sl.small_linear_triton(x, self.wqkv.weight, config=cfg) if x.shape[0] == batch else self.wqkv(x)
+            return llama.project(self.attend(qkv, rope, k_cache, v_cache, meta), self.wo)
+        return forward
+
+    for cfg in (dot(64, 128, num_stages=4), dot(32, 256, num_stages=4), dot(64, 64, num_stages=6)):
+        variants[f"triton_wqkv:{tag(cfg)}"] = {"patch": {(llama.Attention, "forward"): triton_wqkv(cfg)}, "rows": "dot"}
+
+    def cublas_wqkv(self, x, rope, k_cache, v_cache, meta):
+        return llama.project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo)
+
+    variants["cublas_wqkv"] = {"patch": {(llama.Attention, "forward"): cublas_wqkv}, "rows": "dot"}
+# Decode attention's launch config (all batches; 33-64 rows where the key loop is the longest).
+for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2)):
+    variants[f"attn:{bn}w{w}s{st}"] = {
+        "patch": {(pa, "decode_config"): lambda head_dim, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}
 out = []
-for name, v in variants.items():
-    llama.paged_decode_attention_rope = v.get("attn", real_attn)
-    pa._kernels = v.get("kernels", real_kernels)
-    pa.choose_num_splits = v.get("choose", real_choose)
-    sl.small_linear_triton = v.get("sl", real_sl)
-    sl.default_config = v.get("cfg", real_cfg)
-    sl.EARLY_TILE_MAX_BYTES = v.get("early_max", real_early)
-    flags = v.get("flags", {})
-    pa.EARLY_LOADS = flags.get("keys", True)
-    os.environ["SPARK_PDL"] = v.get("pdl", "1"); launch._pdl_device.cache_clear()
-    engine.enable_cuda_graphs(batch); engine.graphs.capture_all()
-    rate = spark_decode(engine, batch, 3)
-    out.append({"variant": name, "tok_s": round(rate, 1), "step_us": round(1e6 * batch / rate, 1)})
-    print(json.dumps(out[-1]), flush=True)
-base = statistics.mean([r["step_us"] for r in out if r["variant"].startswith("base")])
-for r in out:
-    r["delta_us_per_layer"] = round((base - r["step_us"]) / c.num_layers, 2)
-    print(f"{r['variant']:12} {r['tok_s']:8} tok/s  step {r['step_us']:8} us  saves {r['delta_us_per_layer']:6} us/layer")
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"ablate-{preset}-{mml}-b{batch}.json"), "w"), indent=1)
+for batch in batches:
+    for name, v in variants.items():
+        if v.get("rows") == ("dot" if batch == 1 else "one"):
+            continue  # a launch config for the other row count
+        llama.paged_decode_attention_rope = v.get("attn", real_attn)
+        pa._kernels = v.get("kernels", real_kernels)
+        pa.choose_num_splits = v.get("choose", real_choose)
+        sl.small_linear_triton = v.get("sl", real_sl)
+        sl.default_config = v.get("cfg", real_cfg)
+        sl.EARLY_TILE_MAX_BYTES = v.get("early_max", real_early)
+        flags = v.get("flags", {})
+        pa.EARLY_LOADS = flags.get("keys", True)
+        os.environ["SPARK_PDL"] = v.get("pdl", "1"); launch._pdl_device.cache_clear()
+        saved = {key: getattr(*key) for key in v.get("patch", {})}
+        for (owner, attr), value in v.get("patch", {}).items():
+            setattr(owner, attr, value)
+        engine.enable_cuda_graphs(max(batches)); engine.graphs.capture_all()
+        rate = spark_decode(engine, batch, 3)
+        for (owner, attr), value in saved.items():
+            setattr(owner, attr, value)
+        out.append({"variant": name, "batch": batch, "tok_s": round(rate, 1), "step_us": round(1e6 * batch / rate, 1)})
+        print(json.dumps(out[-1]), flush=True)
+for batch in batches:
+    base = statistics.mean([r["step_us"] for r in out if r["variant"].startswith("base") and r["batch"] == batch])
+    for r in out:
+        if r["batch"] == batch:
+            r["delta_us_per_layer"] = round((base - r["step_us"]) / c.num_layers, 2)
+            print(f"b{batch:<3} {r['variant']:22} {r['tok_s']:9} tok/s  step {r['step_us']:8} us  saves {r['delta_us_per_layer']:6} us/layer")
+batches_tag = "-".join(map(str, batches))
+json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"ablate-{preset}-{mml}-b{batches_tag}.json"), "w"), indent=1)

@@ -252,7 +252,7 @@ def main() -> int:
     check_small_linear_rows(rows)
     check_engine(rows, "smollm2-135m", (1, 64), 64)
     check_engine(rows, "tiny-qwen3", (4,), 16)
-    check_engine(rows, "llama-3.1-8b", (1, 8), 64)
+    check_engine(rows, "llama-3.1-8b", (1, 8, 64), 64)
     for r in rows:
         print(json.dumps(r))
     out = sys.argv[1] if len(sys.argv) > 1 else "gpu_check.json"
