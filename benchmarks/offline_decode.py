@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--only", default=None, metavar="PRESET:B1,B2",
                     help="one preset and its batches instead of every case, e.g. llama-3.1-8b:1,8 (for an A/B)")
     args = ap.parse_args()
+    from spark import gc_tuning
     from spark.engine.engine import Engine
 
     results = []
@@ -134,6 +135,7 @@ def main() -> int:
         engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model_len=PROMPT + NEW + 16,
                              kv_cache_bytes=max(batches) * (PROMPT + NEW + 32) * 2 * 2 * 32 * 1024 * 4)
         num_params = sum(p.numel() for p in engine.model.parameters())
+        gc_tuning.settle()  # as spark serve's engine process does once loaded
         if not args.no_graphs:
             engine.enable_cuda_graphs(max(batches))
             engine.graphs.capture_all()

@@ -19,6 +19,7 @@ import time
 import torch
 
 from spark.engine.attention import AttentionMetadata
+from spark.engine.transfer import to_device
 
 log = logging.getLogger("spark.cuda_graphs")
 
@@ -34,9 +35,10 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch_size] + [max_batch_size]
         self.max_batch = self.buckets[-1]
         n, w = self.max_batch, max_pages_per_seq
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # Input ids, positions and slots: rows of one buffer, so that a step fills them in one copy.
+        self._rows64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._rows64
+        self.slot_mapping.fill_(-1)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -95,12 +97,13 @@ class DecodeGraphs:
         self.seq_lens[start:].zero_()
 
     @torch.inference_mode()
-    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], fixups=()) -> torch.Tensor | None:
+    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], feeds=()) -> torch.Tensor | None:
         """Replay the graph for one decode step of ``len(ids)`` sequences.
 
         Args:
-            fixups: ``(rows, tokens)`` device tensors: input ids that launched steps
-                are still sampling, written over ``ids`` on the device.
+            feeds: ``(tokens, rows, picks)``: input ids that launched steps are still
+                sampling, ``tokens[picks]`` (a device tensor, host lists of rows)
+                written over ``ids[rows]`` on the device.
 
         Returns:
             logits ``[B, V]`` (a view into the graph's output; read it before the
@@ -111,19 +114,29 @@ class DecodeGraphs:
         width = max(len(t) for t in tables)
         if bucket is None or width > self.block_tables.shape[1]:
             return None
-        # One pinned staging buffer, one copy: the host never waits for the device here.
-        staged = torch.tensor([*ids, *positions, *slots, *seq_lens], dtype=torch.int64).pin_memory()
-        flat = staged.to(self.input_ids.device, non_blocking=True)
-        self.input_ids[:batch].copy_(flat[:batch])
-        self.positions[:batch].copy_(flat[batch:2 * batch])
-        self.slot_mapping[:batch].copy_(flat[2 * batch:3 * batch])
-        self.seq_lens[:batch].copy_(flat[3 * batch:])
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).pin_memory()
-        self.block_tables[:batch, :width].copy_(padded, non_blocking=True)
-        for rows, tokens in fixups:
-            self.input_ids.index_copy_(0, rows, tokens)
-        if batch < bucket:
-            self._reset_padding(batch)
+        # Everything the step reads in one pinned staging buffer and one copy, the padding
+        # rows included (slot -1 writes no K/V, length 0 attends to nothing): the host
+        # never waits for the device here, and a step costs a handful of launches besides
+        # the replay (at batch 1 of a small model the host's time per step is the limit).
+        pad = bucket - batch
+        values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad, *seq_lens, *[0] * pad]
+        for t in tables:
+            values += t
+            values += [0] * (width - len(t))
+        values += [0] * (pad * width)
+        for _, rows, picks in feeds:
+            values += rows
+            values += picks
+        flat = to_device(torch.tensor(values, dtype=torch.int64), self.input_ids.device)
+        self._rows64[:, :bucket].copy_(flat[:3 * bucket].view(3, bucket))
+        self.seq_lens[:bucket].copy_(flat[3 * bucket:4 * bucket])
+        at = 4 * bucket
+        self.block_tables[:bucket, :width].copy_(flat[at:at + bucket * width].view(bucket, width))
+        at += bucket * width
+        for tokens, rows, picks in feeds:
+            n = len(rows)
+            self.input_ids.index_copy_(0, flat[at:at + n], tokens.index_select(0, flat[at + n:at + 2 * n]))
+            at += 2 * n
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:batch]

@@ -287,17 +287,15 @@ class Engine:
     def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds) -> None:
         """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device."""
         dev = self.device
-        fixups = [
-            (upload(dst, torch.int64, dev), launched.token_ids.index_select(0, upload(src, torch.int64, dev)))
-            for launched, (dst, src) in feeds.items()
-        ]
+        # (tokens, rows, picks): ids[rows] = tokens[picks], on the device, for each launched step read from.
+        fed = [(launched.token_ids, dst, src) for launched, (dst, src) in feeds.items()]
         decode_only = len(ids) == len(kept)
         tables = [list(c.block_table) for c in kept]
         logits = None
         if decode_only and self.graphs is not None:
-            logits = self.graphs.run(ids, positions, slots, seq_lens, tables, fixups)
+            logits = self.graphs.run(ids, positions, slots, seq_lens, tables, fed)
         if logits is None:
-            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fixups)
+            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed)
         for chunk in kept:
             self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
         if not step.seq_ids:
@@ -358,7 +356,7 @@ class Engine:
         while len(self._ended) > _MAX_ENDED:
             self._ended.popitem(last=False)
 
-    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only, fixups=()) -> torch.Tensor:
+    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only, feeds=()) -> torch.Tensor:
         """The forward of any flat batch. Returns logits of each sequence's last row, or of every row when decoding."""
         width = max(len(t) for t in tables)
         dev = self.device
@@ -372,8 +370,8 @@ class Engine:
             num_single=leading_single_rows(qsl),
         )
         input_ids = upload(ids, torch.int64, dev)
-        for rows, tokens in fixups:  # ids that launched steps are still sampling
-            input_ids.index_copy_(0, rows, tokens)
+        for tokens, rows, picks in feeds:  # ids that launched steps are still sampling
+            input_ids.index_copy_(0, upload(rows, torch.int64, dev), tokens.index_select(0, upload(picks, torch.int64, dev)))
         hidden = self.model(
             input_ids,
             upload(positions, torch.int64, dev),
