@@ -13,6 +13,7 @@ import copy
 import functools
 import importlib.util
 import os
+import time
 import types
 from collections.abc import Mapping
 
@@ -93,20 +94,29 @@ class ReplayEngine(EngineDouble):
       tokenizer: the tokenizer the server renders, encodes and detokenizes with.
       replies: ``{marker: reply text}``; the marker found last in the prompt wins.
       default: the reply when no marker occurs.
+      step_seconds: how long each step takes (in the runner's thread). 0 replays as fast
+        as the runner asks, and the streamer may then merge a reply's tokens into a few
+        chunks; a test of how a reply streams gives each token a step of its own.
 
     ``prompts`` and ``params`` record every sequence's rendered prompt and sampling parameters.
     """
 
-    def __init__(self, tokenizer, replies: Mapping[str, str], default: str = "OK."):
+    def __init__(self, tokenizer, replies: Mapping[str, str], default: str = "OK.", *, step_seconds: float = 0.0):
         super().__init__(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=4096,
                          eos_token_ids=tokenizer.eos_token_ids)
         self.config = types.SimpleNamespace(vocab_size=tokenizer.vocab_size)  # what create_app reads
         self.replies, self.default = dict(replies), default
+        self.step_seconds = step_seconds
         self.prompts: list[str] = []
         self.params: list = []
 
     def enable_cuda_graphs(self, max_batch_size: int) -> bool:
         return False
+
+    def step(self, plan):
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        return super().step(plan)
 
     def add_sequence(self, seq_id, prompt_ids, params) -> None:
         super().add_sequence(seq_id, prompt_ids, params)

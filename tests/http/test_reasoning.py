@@ -28,7 +28,9 @@ REPLIES = {
 
 @pytest.fixture(scope="module")
 def engine():
-    return ReplayEngine(qwen_like_tokenizer(), REPLIES)
+    # 5 ms steps: every token its own step, so the streamed tests below see how a reply is
+    # written (without them a loaded machine's streamer may merge the tokens into few chunks).
+    return ReplayEngine(qwen_like_tokenizer(), REPLIES, step_seconds=0.005)
 
 
 @pytest.fixture(scope="module")
