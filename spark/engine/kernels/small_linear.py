@@ -105,9 +105,10 @@ def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
     long runs along K, so that thousands of programs each keep 16-byte loads in flight.
     At one row with K >= 2048 the launch shapes are the fastest of a sweep inside the
     graphed decode step (benchmarks/decode_ablation.py, Llama-3.1-8B, us a layer saved
-    against the earlier shapes, one H200: w13 8x2048 on 2 warps 4.5, wo 8x2048 3.0, w2
-    8x2048 on 8 warps 2.9, wqkv 8x1024 on 2 warps 1.6): runs of 2048 columns put twice the
-    bytes of 1024 in flight per load.
+    against the earlier shapes, each alone, on an H200 where those ran at 229 tok/s: w13
+    8x2048 on 2 warps 4.5, wo 8x2048 3.0, w2 8x2048 on 8 warps 2.9, wqkv 8x1024 on 2 warps
+    1.6; all together 0.3% on one where they ran at 244): runs of 2048 columns put twice
+    the bytes of 1024 in flight per load.
     More rows: the tensor cores, whose weight loads Triton pipelines through shared
     memory; the FMA path would spend more time on arithmetic than on loads. The dot path
     pays for prologues (each warp recomputes the whole padded 16-row tile), so a gated
@@ -123,11 +124,8 @@ def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
     if m > MAX_PROLOGUE_ROWS:
         # 64 rows on an H200: 64x32 output tiles over K steps of 256, or 64x128 over 128
         # for a wide weight: Llama-3.1-8B's wo 11.6 us (cuBLAS 12.2), w2 33.2 (35.2),
-        # w13 60.4 (61.2). Its wqkv (N 6144) in 64x128 tiles: 0.6 us a layer faster than
-        # cuBLAS in the decode chain, 3.5 us slower in 64x32 (benchmarks/decode_ablation.py).
-        if wide:
-            return Config(128, 128, num_stages=4, use_dot=True)
-        return Config(64, 128, num_stages=4, use_dot=True) if n > 4096 else dot
+        # w13 60.4 (61.2).
+        return Config(128, 128, num_stages=4, use_dot=True) if wide else dot
     if k >= 2048:
         if m == 1:
             if norm:  # w13 (wide) and wqkv
@@ -158,7 +156,9 @@ def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
 def beats_cublas(m: int, k: int, dtype: torch.dtype) -> bool:
     """Whether the plain product of `m` rows (past the prologue rows) with a half-precision
     weight `k` wide is faster here than in cuBLAS on an H200: measured at 64 rows for
-    Llama-3.1-8B's wqkv, wo, w13 and w2 (SmolLM2's K was not measured)."""
+    Llama-3.1-8B's wo, w13 and w2. Its wqkv was 5% slower alone, and in 64x128 tiles in
+    the decode chain no faster (+0.6 and -0.6 us a layer on two H200s), so
+    `llama.Attention` keeps cuBLAS for it. SmolLM2's K was not measured."""
     return MAX_PROLOGUE_ROWS * 2 < m <= MAX_ROWS and k >= 2048 and dtype in (torch.bfloat16, torch.float16)
 
 

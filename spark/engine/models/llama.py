@@ -92,7 +92,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, D]; rope: (cos, sin) [T, Dh/2] on the CPU, (positions, inv_freq) on a GPU
-        return project(self.attend(project(x, self.wqkv), rope, k_cache, v_cache, meta), self.wo)
+        return project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo)
 
     def attend(self, qkv, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of projected ``qkv`` [T, q + 2 kv] over the cache (this step's K/V written). Returns [T, q]."""
