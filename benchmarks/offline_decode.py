@@ -8,7 +8,8 @@ the decode steps only (prefill excluded), after a warm-up, median of 3 runs;
 transformers' ``generate`` with a static cache runs in the same process on the
 same GPU. The roofline of a step: bytes it must move (weights once + KV read +
 KV written) over 4.25 TB/s, or FLOPs over 783 TFLOP/s, whichever is larger
-(../shared/PERF.md). Prints a table; writes JSON.
+(../shared/PERF.md); the run also times this machine's own copy rate (``copy_tb_s``),
+since H200 machines differ. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +38,27 @@ def roofline_tok_s(config, num_params: int, batch: int, dtype_bytes: int = 2) ->
     step_flops = 2 * num_params * batch + 4 * batch * avg_context * config.num_heads * config.head_dim * config.num_layers
     step_s = max(step_bytes / BANDWIDTH, step_flops / MATMUL)
     return batch / step_s
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """This GPU's device-to-device copy rate, bytes read + written per second (median of
+    ``reps`` after a warm-up): H200 machines differ by several percent, and the roofline
+    uses PERF.md's 4.25 TB/s for all of them, so a run records its own machine's figure."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()  # never zeros
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(seconds)
 
 
 def spark_decode(engine, batch: int, reps: int) -> float:
@@ -126,6 +148,8 @@ def main() -> int:
     from spark.engine.engine import Engine
 
     results = []
+    args.copy_tb_s = round(copy_bandwidth() / 1e12, 3)
+    print(f"device-to-device copy: {args.copy_tb_s} TB/s (the roofline assumes {BANDWIDTH / 1e12})", file=sys.stderr)
     cases = CASES
     if args.only:
         preset, _, batches = args.only.partition(":")
@@ -159,6 +183,7 @@ def main() -> int:
                     _write(args, results)  # partial results survive a run cut short
 
     _write(args, results)
+    print(f"this GPU copies at {args.copy_tb_s} TB/s; the roofline assumes {BANDWIDTH / 1e12}")
     print(f"{'model':14} {'batch':>5} {'tok/s':>9} {'roofline':>9} {'frac':>6} {'hf tok/s':>9}")
     for r in results:
         print(f"{r['model']:14} {r['batch']:>5} {r['tok_s']:>9} {r['roofline_tok_s']:>9} {r['roofline_frac']:>6} {str(r['hf_tok_s']):>9}")
@@ -168,7 +193,8 @@ def main() -> int:
 def _write(args, results: list) -> None:
     doc = {
         "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-        "commit": args.commit or _commit(), "command": " ".join(["python"] + sys.argv), "results": results,
+        "commit": args.commit or _commit(), "command": " ".join(["python"] + sys.argv),
+        "copy_tb_s": args.copy_tb_s, "results": results,
     }
     out = args.out or f"benchmarks/results/{doc['date']}-{doc['gpu'].split()[-1].lower()}.json"
     with open(out, "w") as f:
