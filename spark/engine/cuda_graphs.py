@@ -61,7 +61,7 @@ class DecodeGraphs:
             return False
         b = self._to_capture.pop(0)
         t0 = time.perf_counter()
-        self._reset_padding(0)
+        self._reset_rows()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -92,9 +92,10 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_layers, meta)
         return self.model.compute_logits(hidden)
 
-    def _reset_padding(self, start: int) -> None:
-        self.slot_mapping[start:].fill_(-1)
-        self.seq_lens[start:].zero_()
+    def _reset_rows(self) -> None:
+        """Every row a padding row (no K/V written, nothing attended), as capture runs them."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
 
     @torch.inference_mode()
     def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], feeds=()) -> torch.Tensor | None:
