@@ -60,6 +60,34 @@ def check_kernels(rows: list) -> None:
     kv_write.write_kv_reference(k, v, kr, vr, slots)
     rows.append({"check": "kv_write", "ok": bool(torch.equal(kc, kr) and torch.equal(vc, vr))})
     check_rope_write_kv(rows)
+    check_decode_inputs(rows)
+
+
+def check_decode_inputs(rows: list) -> None:
+    """The decode graph's unpacking kernel vs its reference: every buffer bit-equal."""
+    from spark.engine.kernels import decode_inputs as di
+
+    gen = torch.Generator().manual_seed(4)
+    for bucket, width, columns in ((1, 9, 17), (64, 13, 512), (256, 300, 512)):
+        ring = torch.randint(0, 1 << 17, (4, 256), generator=gen)
+        fields = [torch.randint(0, 1 << 30, (4, bucket), generator=gen).view(-1),
+                  torch.randint(-2, ring.numel(), (bucket,), generator=gen),
+                  torch.randint(0, 1 << 20, (bucket * width,), generator=gen)]
+        staged = torch.cat([torch.tensor([width, 3]), *fields])
+
+        def buffers(device):
+            return dict(ring=ring.to(device), fed=torch.arange(256, device=device), input_ids=torch.zeros(256, dtype=torch.int64, device=device),
+                        positions=torch.zeros(256, dtype=torch.int64, device=device),
+                        slot_mapping=torch.zeros(256, dtype=torch.int64, device=device),
+                        seq_lens=torch.zeros(256, dtype=torch.int32, device=device),
+                        block_tables=torch.zeros(256, columns, dtype=torch.int32, device=device),
+                        ring_index=torch.zeros(256, dtype=torch.int64, device=device))
+
+        want, got = buffers("cpu"), buffers("cuda")
+        di.unpack_decode_inputs_reference(staged, bucket, **want)
+        di.unpack_decode_inputs_triton(staged.cuda(), bucket, **got)
+        same = all(torch.equal(got[k].cpu(), want[k]) for k in want)
+        rows.append({"check": "decode_inputs", "bucket": bucket, "width": width, "ok": same})
 
 
 def check_rope_write_kv(rows: list) -> None:
@@ -235,11 +263,18 @@ def check_gpu_vs_cpu(rows: list) -> None:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cpu.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    for group in (prompts, prompts[1:2]):  # a batch of 4, then batch 1 (the fused small-row path)
-        a = [[o.token_id for o in r] for r in cpu.generate(group, params)]
-        b = [[o.token_id for o in r] for r in gpu.generate(group, params)]
+    # Seeded draws are a pure function of (seed, step, logits), so the two paths agree there
+    # too; a batch that mixes them takes the sampler, whose tokens the graphs take on the host.
+    mixed = [params, SamplingParams(temperature=0.8, seed=5, max_tokens=32, ignore_eos=True), params,
+             SamplingParams(temperature=0.0, logprobs=2, max_tokens=32, ignore_eos=True)]
+    # A batch of 4, then batch 1 (the fused small-row path); plain greedy rows (the graphs'
+    # own argmax, fed from their ring), then the mixed batch.
+    for group, p in ((prompts, params), (prompts[1:2], params), (prompts, mixed)):
+        a = [[o.token_id for o in r] for r in cpu.generate(group, p)]
+        b = [[o.token_id for o in r] for r in gpu.generate(group, p)]
         same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-        rows.append({"check": "gpu_vs_cpu_fp32_greedy", "model": "smollm2-135m (dummy, fp32)", "batch": len(group),
+        rows.append({"check": "gpu_vs_cpu_fp32_greedy" if p is params else "gpu_vs_cpu_fp32_mixed",
+                     "model": "smollm2-135m (dummy, fp32)", "batch": len(group),
                      "tokens_equal": f"{same}/{32 * len(group)}", "ok": same == 32 * len(group)})
 
 

@@ -9,6 +9,12 @@ small models and batch-1 decode fast on a GPU.
 Graphs are captured one bucket at a time (``capture_next``) so that the GPU
 runner can interleave capture with serving: the first requests run eagerly,
 then graphs take over as buckets become ready.
+
+A step's host work is a handful of calls: one copy of a flat staging buffer (the
+graph's first kernel unpacks it, ``kernels/decode_inputs.py``) and the replay. The
+graph ends with the greedy tokens of every row in a ring of static rows: a batch
+of plain greedy rows needs no sampler launch, and the next step reads those tokens
+on the device from the ring.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ import time
 import torch
 
 from spark.engine.attention import AttentionMetadata
-from spark.engine.transfer import to_device
+from spark.engine.kernels import decode_inputs
+from spark.engine.sampler import greedy_tokens
 
 log = logging.getLogger("spark.cuda_graphs")
 
+# Graph steps whose greedy tokens stay on the device: a launched step may read the tokens
+# of any step still in flight, so the engine keeps fewer than this many in flight.
+RING_ROWS = 4
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -35,13 +45,19 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch_size] + [max_batch_size]
         self.max_batch = self.buckets[-1]
         n, w = self.max_batch, max_pages_per_seq
-        # Input ids, positions and slots: rows of one buffer, so that a step fills them in one copy.
-        self._rows64 = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._rows64
-        self.slot_mapping.fill_(-1)
+        self.device = torch.device(device)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # The host's one copy a step lands here; host-side feeds add two rows of n after the tables.
+        self.staged = torch.zeros(decode_inputs.table_offset(n) + n * w + 2 * n, dtype=torch.int64, device=device)
+        self.ring = torch.zeros(RING_ROWS, n, dtype=torch.int64, device=device)  # greedy tokens of recent steps
+        self.fed = torch.zeros(n, dtype=torch.int64, device=device)  # ids fed from tokens outside the ring
+        self._ring_index = torch.zeros(n, dtype=torch.int64, device=device)  # where each row's token goes
+        self._next_ring_row = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._to_capture = sorted(self.buckets, reverse=True)  # largest first: later ones reuse its pool
@@ -56,12 +72,14 @@ class DecodeGraphs:
         return min(ready) if ready else None
 
     def capture_next(self) -> bool:
-        """Capture one more bucket. Returns False when all are captured."""
+        """Capture one more bucket. Returns False when all are captured.
+
+        Nothing may be in flight: capture writes a ring row."""
         if not self._to_capture:
             return False
         b = self._to_capture.pop(0)
         t0 = time.perf_counter()
-        self._reset_rows()
+        self._stage_padding(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -81,7 +99,15 @@ class DecodeGraphs:
         while self.capture_next():
             pass
 
+    def unpack(self, b: int) -> None:
+        """Spread the staging buffer into rows ``[:b]`` of the step's buffers: a graph's first kernel."""
+        unpack = (decode_inputs.unpack_decode_inputs_triton if self.device.type == "cuda"
+                  else decode_inputs.unpack_decode_inputs_reference)
+        unpack(self.staged, b, self.ring, self.fed, self.input_ids, self.positions, self.slot_mapping,
+               self.seq_lens, self.block_tables, self._ring_index)
+
     def _forward(self, b: int) -> torch.Tensor:
+        self.unpack(b)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b],
             query_start_loc=self.query_start_loc[: b + 1],
@@ -90,54 +116,81 @@ class DecodeGraphs:
             decode_only=True,
         )
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_layers, meta)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        # Every step's argmax, wanted or not: a few microseconds of the GPU, against a
+        # sampler's launches from the host for the plain greedy batches that use it.
+        self.ring.view(-1).index_copy_(0, self._ring_index[:b], greedy_tokens(logits))
+        return logits
 
-    def _reset_rows(self) -> None:
-        """Every row a padding row (no K/V written, nothing attended), as capture runs them."""
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.zero_()
+    def _stage_padding(self, b: int) -> None:
+        """A staging buffer of ``b`` padding rows (no K/V written, nothing attended), as capture runs them."""
+        rows = torch.tensor([[0], [0], [-1], [0], [decode_inputs.FEED_AS_SENT]]).expand(5, b).reshape(-1)
+        self.staged[: decode_inputs.table_offset(b)].copy_(torch.cat([torch.zeros(2, dtype=torch.int64), rows]))
+
+    def ring_offset(self, tokens: torch.Tensor) -> int | None:
+        """Where ``tokens`` (a step's tokens) start in the flattened ring, or None when they live elsewhere."""
+        start = self.ring.data_ptr()
+        ptr = tokens.data_ptr()
+        if tokens.device != self.ring.device or tokens.dtype != self.ring.dtype or tokens.dim() != 1:
+            return None
+        if not start <= ptr < start + self.ring.numel() * self.ring.element_size() or tokens.stride(0) != 1:
+            return None
+        return (ptr - start) // self.ring.element_size()
 
     @torch.inference_mode()
-    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], feeds=()) -> torch.Tensor | None:
+    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], feeds=()):
         """Replay the graph for one decode step of ``len(ids)`` sequences.
 
         Args:
             feeds: ``(tokens, rows, picks)``: input ids that launched steps are still
                 sampling, ``tokens[picks]`` (a device tensor, host lists of rows)
-                written over ``ids[rows]`` on the device.
+                in place of ``ids[rows]``. Tokens in the ring are read by the graph;
+                others are copied in first.
 
         Returns:
-            logits ``[B, V]`` (a view into the graph's output; read it before the
-            next replay), or None when no captured bucket fits.
+            ``(logits [B, V], greedy tokens [B])``, views into static buffers: the
+            logits are valid until the next replay, the tokens (a ring row) for
+            ``RING_ROWS - 1`` replays more. None when no captured bucket fits.
         """
         batch = len(ids)
         bucket = self.bucket_for(batch)
         width = max(len(t) for t in tables)
         if bucket is None or width > self.block_tables.shape[1]:
             return None
-        # Everything the step reads in one pinned staging buffer and one copy, the padding
-        # rows included (slot -1 writes no K/V, length 0 attends to nothing): the host
-        # never waits for the device here, and a step costs a handful of launches besides
-        # the replay (at batch 1 of a small model the host's time per step is the limit).
+        ring_row = self._next_ring_row
+        self._next_ring_row = (ring_row + 1) % RING_ROWS
         pad = bucket - batch
-        values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad, *seq_lens, *[0] * pad]
+        feed = [decode_inputs.FEED_AS_SENT] * bucket
+        host_fed = []  # (tokens, rows, picks) fed through self.fed
+        for tokens, rows, picks in feeds:
+            base = self.ring_offset(tokens)
+            if base is None:
+                host_fed.append((tokens, rows, picks))
+                for r in rows:
+                    feed[r] = decode_inputs.FEED_FROM_FED
+            else:
+                for r, p in zip(rows, picks):
+                    feed[r] = base + p
+        # Everything the step reads in one pinned staging buffer and one copy, the padding
+        # rows included: the host never waits for the device here, and the graph unpacks it.
+        values = [width, ring_row, *ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad,
+                  *seq_lens, *[0] * pad, *feed]
         for t in tables:
             values += t
             values += [0] * (width - len(t))
         values += [0] * (pad * width)
-        for _, rows, picks in feeds:
+        at = len(values)
+        for _, rows, picks in host_fed:
             values += rows
             values += picks
-        flat = to_device(torch.tensor(values, dtype=torch.int64), self.input_ids.device)
-        self._rows64[:, :bucket].copy_(flat[:3 * bucket].view(3, bucket))
-        self.seq_lens[:bucket].copy_(flat[3 * bucket:4 * bucket])
-        at = 4 * bucket
-        self.block_tables[:bucket, :width].copy_(flat[at:at + bucket * width].view(bucket, width))
-        at += bucket * width
-        for tokens, rows, picks in feeds:
+        staged = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        self.staged[: len(values)].copy_(staged, non_blocking=True)
+        for tokens, rows, picks in host_fed:
             n = len(rows)
-            self.input_ids.index_copy_(0, flat[at:at + n], tokens.index_select(0, flat[at + n:at + 2 * n]))
+            self.fed.index_copy_(0, self.staged[at:at + n], tokens.index_select(0, self.staged[at + n:at + 2 * n]))
             at += 2 * n
         graph, logits = self.graphs[bucket]
         graph.replay()
-        return logits[:batch]
+        return logits[:batch], self.ring[ring_row, :batch]

@@ -247,6 +247,8 @@ class Engine:
         """
         if any(self._waits_on_host(c) for c in plan.chunks):
             self._complete_all()  # penalties and forced tokens need the previous tokens on the host
+        elif self.graphs is not None:
+            self._bound_ring_readers()
         ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
         feeds: dict[_Launched, tuple[list[int], list[int]]] = {}  # launched step -> (rows of ids, rows of its tokens)
         kept: list[ScheduledChunk] = []
@@ -291,18 +293,28 @@ class Engine:
         fed = [(launched.token_ids, dst, src) for launched, (dst, src) in feeds.items()]
         decode_only = len(ids) == len(kept)
         tables = [list(c.block_table) for c in kept]
-        logits = None
+        replayed = None
         if decode_only and self.graphs is not None:
-            logits = self.graphs.run(ids, positions, slots, seq_lens, tables, fed)
-        if logits is None:
+            replayed = self.graphs.run(ids, positions, slots, seq_lens, tables, fed)
+        if replayed is None:
             logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed)
+        else:
+            logits, greedy = replayed
         for chunk in kept:
             self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
         if not step.seq_ids:
             return
+        seqs = [self._seqs[i] for i in step.seq_ids]
+        if replayed is not None and len(sample_rows) == len(ids) and all(s.params.is_plain_greedy for s in seqs):
+            # The graph took every row's argmax already: no sampler launch, and the
+            # next step reads these tokens from the graphs' ring on the device.
+            step.token_ids = greedy
+            step.samples = HostCopy((greedy, None, None, None))
+            for row, s in enumerate(seqs):
+                s.pending.append((step, row))
+            return
         if len(sample_rows) != logits.shape[0]:
             logits = logits[upload(sample_rows, torch.int64, dev)]
-        seqs = [self._seqs[i] for i in step.seq_ids]
         batch = SamplingBatch(
             params=tuple(s.params for s in seqs),
             token_histories=tuple(
@@ -336,6 +348,16 @@ class Engine:
         for step in self._inflight:
             if step.outputs is None:
                 step.outputs = self._complete(step)
+
+    def _bound_ring_readers(self) -> None:
+        """Read back the oldest launched steps until fewer than ``RING_ROWS`` are unread: the
+        replay of this launch then writes no ring row that an unread step's tokens are in
+        (the pipelined callers keep one step unread at a launch, and never read here)."""
+        from spark.engine.cuda_graphs import RING_ROWS
+
+        unread = [step for step in self._inflight if step.outputs is None]
+        for step in unread[: max(0, len(unread) - (RING_ROWS - 1))]:
+            step.outputs = self._complete(step)
 
     def _live(self, seq_id: Hashable) -> Sequence | None:
         """The sequence a chunk names, or None when it ended (a planner may not know yet)."""

@@ -107,9 +107,9 @@ class Sampler:
         top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         any_bias = any(p.logit_bias for p in params)
         any_penalty = any(p.has_penalties for p in params)
-        all_greedy = all(p.is_greedy for p in params)
-        if all_greedy and not (any_bias or any_penalty or top_logprobs is not None):
+        if all(p.is_plain_greedy for p in params):
             return SampleOutput(token_ids=greedy_tokens(x))
+        all_greedy = all(p.is_greedy for p in params)
 
         rows = _Rows.build(batch, V, logits.device)
         if any_bias:

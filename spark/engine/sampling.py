@@ -150,5 +150,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """The token is the argmax of the raw logits, and nothing else is asked of the sampler."""
+        return self.temperature == 0.0 and not self.logit_bias and not self.has_penalties and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
