@@ -105,6 +105,32 @@ if preset == "llama-3.1-8b":
 for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2)):
     variants[f"attn:{bn}w{w}s{st}"] = {
         "patch": {(pa, "decode_config"): lambda head_dim, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
+
+
+def gate_in_w2(self, h, rope, k_cache, v_cache, meta):
+    """Block.forward_one_row as before 2026-12-01's second session: the gate in w2's prologue."""
+    attention, ffn = self.attention, self.feed_forward
+    qkv = sl.small_linear_triton(h, attention.wqkv.weight, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
+    h = sl.small_linear_triton(attention.attend(qkv, rope, k_cache, v_cache, meta), attention.wo.weight, residual=h)
+    gate_up = sl.small_linear_triton(h, ffn.w13.weight, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps)
+    return sl.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
+
+
+variants["gate_in_w2"] = {"patch": {(llama.Block, "forward_one_row"): gate_in_w2}, "rows": "one"}
+# The one-row shapes of w13 with the gate in its epilogue, and of w2 without a prologue.
+_one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731
+for name, shape, cfgs in [
+    ("w13g", (I, D), [_one(8, 2048, num_warps=2), _one(4, 2048, num_warps=2), _one(8, 1024, num_warps=2),
+                      _one(4, 2048), _one(16, 2048), _one(4, 1024), _one(8, 1024)]),
+    ("w2p", (D, I), [_one(4, 2048), _one(8, 2048, num_warps=8), _one(8, 2048), _one(16, 2048), _one(4, 4096),
+                     _one(4, 2048, num_warps=2), _one(4, 1024), _one(8, 2048, num_warps=2)]),
+]:
+    for cfg in cfgs:
+        variants[f"{name}:{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+# Split-KV partitions of batch-1 decode attention (the heuristic picks 4 at a 272-token
+# context; 1 drops the reduce kernel, one launch a layer).
+for n in (1, 2, 8):
+    variants[f"splits:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b == 1 else real_choose(b, h, ctx), "rows": "one"}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}

@@ -193,6 +193,14 @@ def check_small_linear_rows(rows: list) -> None:
                 rows.append(_compare("small_linear_rows", "w13+gate", m, sl.small_linear_triton(x, w, gated_output=True),
                                      activation.silu_and_mul_triton(torch.nn.functional.linear(x, w))))
             rows.append(_compare("small_linear_rows", name, m, got, want))
+    # Batch 1's w13 of a wide model: the norm before and the gate after, on the one-row path.
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    w = (torch.randn(28672, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    g = (torch.rand(4096, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    assert sl.gate_in_epilogue(1, 4096)
+    rows.append(_compare("small_linear_rows", "w13+norm+gate", 1,
+                         sl.small_linear_triton(x, w, norm_weight=g, eps=1e-5, gated_output=True),
+                         sl.small_linear_reference(x, w, norm_weight=g, eps=1e-5, gated_output=True)))
 
 
 def _compare(check: str, proj: str, m: int, got: torch.Tensor, want: torch.Tensor) -> dict:

@@ -165,15 +165,19 @@ class Block(nn.Module):
 
         Four launches of the small-batch linear kernel replace the two norms, the gate
         and the four matmuls: each norm, the gate and each residual add ride along with
-        the projection next to them (see ``kernels/small_linear.py``).
+        the projection next to them (see ``kernels/small_linear.py``): the gate in w13's
+        epilogue for a wide model, in w2's prologue for a small one (``gate_in_epilogue``).
         """
         attention, ffn = self.attention, self.feed_forward
         qkv = small_linear.small_linear_triton(
             h, attention.wqkv.weight, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
         h = small_linear.small_linear_triton(
             attention.attend(qkv, rope, k_cache, v_cache, meta), attention.wo.weight, residual=h)
-        gate_up = small_linear.small_linear_triton(
-            h, ffn.w13.weight, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps)
+        norm = dict(norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps)
+        if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):
+            gated = small_linear.small_linear_triton(h, ffn.w13.weight, gated_output=True, **norm)
+            return small_linear.small_linear_triton(gated, ffn.w2.weight, residual=h)
+        gate_up = small_linear.small_linear_triton(h, ffn.w13.weight, **norm)
         return small_linear.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
 
 

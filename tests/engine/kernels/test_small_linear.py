@@ -1,5 +1,6 @@
 import os
 
+import attrs
 import pytest
 import torch
 
@@ -84,6 +85,20 @@ def test_gated_output(m, dtype):
     assert want.shape == (m, 40)
     assert not torch.allclose(want, sl.small_linear_reference(x, weight)[:, :40], atol=1e-2)  # the gate did something
     assert_matches(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("prologue", ["plain", "norm"])
+def test_gated_output_on_the_one_row_path(prologue, dtype):
+    """Batch 1's w13: the norm before, the gate after, products reduced every step (no tensor cores)."""
+    x, weight, kwargs = make_inputs(1, 2 * 40, 96, dtype, prologue=prologue, residual=False, seed=5)
+    config = sl.Config(block_n=8, block_k=64, defer_reduce=False)
+    want = sl.small_linear_reference(x, weight, gated_output=True, **kwargs)
+    assert want.shape == (1, 40)
+    assert_matches(sl.small_linear_triton(x, weight, gated_output=True, config=config, **kwargs), want)
+    assert not sl.default_config(1, 14336, 4096, norm=True, gated_output=True).use_dot
+    with pytest.raises(AssertionError, match="reduces every step"):
+        sl.small_linear_triton(x, weight, gated_output=True, config=attrs.evolve(config, defer_reduce=True), **kwargs)
 
 
 def test_no_prologue_past_16_rows():
