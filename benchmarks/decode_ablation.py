@@ -131,6 +131,9 @@ for name, shape, cfgs in [
 # context; 1 drops the reduce kernel, one launch a layer).
 for n in (1, 2, 8):
     variants[f"splits:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b == 1 else real_choose(b, h, ctx), "rows": "one"}
+# ... and at 33-64 rows, where one program per (sequence, kv head) walks every key serially.
+for n in (2, 3, 4):
+    variants[f"splits_rows:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b > 16 else real_choose(b, h, ctx), "rows": "dot"}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}

@@ -77,7 +77,10 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One compile for every bucket and engine: Triton would otherwise specialise the ints
+    # (== 1, multiples of 16) and compile several variants while graphs are captured, which
+    # happens in the background of a serving process.
+    @triton.jit(do_not_specialize=["table_stride", "ring_width", "bucket"])
     def unpack_decode_inputs_kernel(
         staged, ring, fed, input_ids, positions, slot_mapping, seq_lens, block_tables, ring_index,
         table_stride, ring_width, bucket, BLOCK: tl.constexpr,
