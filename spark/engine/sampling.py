@@ -151,7 +151,9 @@ class SamplingParams:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """The token is the argmax of the raw logits, and nothing else is asked of the sampler."""
+        """The token is the argmax of the raw logits, and nothing else is asked of the sampler
+        (the decode graphs take such tokens themselves; a row constrained by a token mask,
+        when constrained decoding comes, must not count as plain)."""
         return self.temperature == 0.0 and not self.logit_bias and not self.has_penalties and self.logprobs is None
 
     @property
