@@ -102,7 +102,11 @@ if preset == "llama-3.1-8b":
         variants[f"triton_wqkv:{tag(cfg)}"] = {"patch": {(llama.Attention, "forward"): triton_wqkv(cfg)}, "rows": "dot"}
 
 # Decode attention's launch config (all batches; 33-64 rows where the key loop is the longest).
-for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2)):
+# One stage (no software pipelining): less shared memory a program, so more of a 64-row
+# batch's 512 programs fit on the SMs at once, trading each program's overlap of its own
+# key blocks for more programs in flight. Not yet timed.
+for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
+                  (64, 4, 1), (32, 4, 1), (128, 4, 1), (64, 2, 1), (128, 8, 1)):
     variants[f"attn:{bn}w{w}s{st}"] = {
         "patch": {(pa, "decode_config"): lambda head_dim, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
 
