@@ -3,7 +3,8 @@
     python benchmarks/serving.py [--model dummy:llama-3.1-8b] [--clients 256] [--requests 1000]
                                  [--prompt 512] [--new 256] [--load-procs 8] [--out FILE]
 
-1. Starts ``spark serve`` (a subprocess, the GPU) and waits for /health.
+1. Starts ``spark serve`` (a subprocess, the GPU), waits for /health and for the
+   background CUDA-graph capture (its /metrics gauges; at most ``--settle`` seconds).
 2. A load generator (asyncio + httpx in ``--load-procs`` processes, default 8)
    keeps ``--clients`` streamed /v1/completions requests in flight until
    ``--requests`` are done: random token-id prompts of ``--prompt`` tokens,
@@ -193,18 +194,42 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return used(pid), children
 
 
-def step_totals(url: str) -> dict[str, float]:
-    """The server's step histograms so far: ``<name>_sum`` and ``<name>_count`` of each."""
+def metric_values(url: str, prefix: str) -> dict[str, float]:
+    """Every sample on the server's /metrics whose name starts with ``prefix``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        if family.name.startswith("spark_step_"):
-            for sample in family.samples:
-                if sample.name.endswith(("_sum", "_count")):
-                    totals[sample.name] = sample.value
-    return totals
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(prefix)}
+
+
+def wait_for_graphs(url: str, timeout: float) -> dict:
+    """Wait until the server's background CUDA-graph capture is done (its /metrics gauges
+    meet), at most ``timeout`` seconds, or 30 s without progress (a failed capture): before
+    that some batch sizes decode eagerly."""
+    t0 = last_change = time.time()
+    seen = None
+    while True:
+        graphs = metric_values(url, "spark_decode_graphs_")
+        captured, planned = graphs.get("spark_decode_graphs_captured", 0), graphs.get("spark_decode_graphs_planned", 0)
+        now = time.time()
+        if captured != seen:
+            seen, last_change = captured, now
+        if captured >= planned or now - t0 > timeout or now - last_change > 30:
+            break
+        time.sleep(0.5)
+    waited = round(time.time() - t0, 1)
+    if captured < planned:
+        print(f"serving: timing with {captured:.0f} of {planned:.0f} decode graphs captured after {waited}s",
+              file=sys.stderr)
+    return {"graphs_captured": f"{captured:.0f}/{planned:.0f}", "graphs_wait_s": waited}
+
+
+def step_totals(url: str) -> dict[str, float]:
+    """The server's step histograms so far: ``<name>_sum`` and ``<name>_count`` of each."""
+    return {name: value for name, value in metric_values(url, "spark_step_").items()
+            if name.endswith(("_sum", "_count"))}
 
 
 def step_shape(before: dict[str, float], after: dict[str, float]) -> dict:
@@ -274,7 +299,8 @@ def main() -> int:
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--load-procs", type=int, default=8, help="load-generator processes the clients are spread over")
     ap.add_argument("--out", default="serving.json")
-    ap.add_argument("--settle", type=float, default=20.0, help="seconds for graph capture before timing")
+    ap.add_argument("--settle", type=float, default=180.0,
+                    help="seconds to wait at most for the background CUDA-graph capture before timing")
     args = ap.parse_args()
 
     rng = random.Random(0)
@@ -287,13 +313,14 @@ def main() -> int:
     server = subprocess.Popen(cmd, env=env)
     try:
         wait_healthy(url, server)
-        time.sleep(args.settle)  # let the background CUDA-graph capture finish before timing
+        warm = wait_for_graphs(url, args.settle)
         spread_load(url, prompts[: args.clients], args.clients, 8, args.load_procs)  # warm-up
         before, cpu_before, series = step_totals(url), cpu_seconds(server.pid), []
         with rows_each_second(url, series):
             result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
         steps, cpu_after = step_shape(before, step_totals(url)), cpu_seconds(server.pid)
         steps["decode_rows_each_second"] = series
+        steps.update(warm)
         # Cores busy during the load: the HTTP server's event loop (scheduler included), the engine process.
         steps["server_cpu_cores"] = round((cpu_after[0] - cpu_before[0]) / result["wall_s"], 2)
         steps["engine_cpu_cores"] = round((cpu_after[1] - cpu_before[1]) / result["wall_s"], 2)

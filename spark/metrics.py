@@ -30,6 +30,12 @@ class Metrics:
         self.requests_waiting = Gauge("spark_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_pages_used = Gauge("spark_kv_pages_used", "KV cache pages held by sequences", registry=r)
         self.kv_pages_total = Gauge("spark_kv_pages_total", "KV cache pages in the pool", registry=r)
+        # The engine captures its decode graphs in the background once serving: until these
+        # two meet, some batch sizes still decode eagerly (slower).
+        self.decode_graphs_captured = Gauge(
+            "spark_decode_graphs_captured", "Decode batch sizes whose CUDA graph is captured", registry=r)
+        self.decode_graphs_planned = Gauge(
+            "spark_decode_graphs_planned", "Decode batch sizes the engine captures CUDA graphs for", registry=r)
         self.prompt_tokens = Counter("spark_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("spark_generation_tokens", "Tokens generated", registry=r)
         # What each engine step held and took: the shape of the batches explains throughput.

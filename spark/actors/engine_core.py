@@ -170,7 +170,9 @@ async def run_session(engine, conn, config, capture) -> bool:
     stop_asked = threading.Event()  # the parent closed the process, not just the session
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(gpu_runner.run_in_thread, capture_next=capture),
+            on_captured = None if capture is None else gpu_runner.graph_gauges(metrics, engine)
+            await nursery.start(functools.partial(gpu_runner.run_in_thread, capture_next=capture,
+                                                  on_captured=on_captured),
                                 engine, work_recv, results_send)
             await nursery.start(functools.partial(
                 scheduler.run, policy, admissions_recv, cancels_recv, work_send, results_recv, stream_send, metrics,

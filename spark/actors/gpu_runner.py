@@ -57,6 +57,7 @@ async def run_in_thread(
     outbox: trio.MemorySendChannel,
     *,
     capture_next: Callable[[], bool] | None = None,
+    on_captured: Callable[[int, int], None] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Step ``engine`` in a thread of its own: each ``StepWork`` from ``inbox`` is queued for
@@ -64,7 +65,9 @@ async def run_in_thread(
     hold every step the scheduler keeps in flight.
 
     A step that raises fails only the sequences in it. ``capture_next`` (CUDA-graph
-    capture, one bucket per call) runs in the thread whenever no step is waiting.
+    capture, one bucket per call) runs in the thread whenever no step is waiting; after
+    each call, ``on_captured(captured, planned)`` runs on the event loop with the engine's
+    ``graph_progress()`` (``graph_gauges`` sets the metrics).
     """
     # The event loop holds the interpreter lock most of the time at hundreds of streams;
     # by default another thread gets it only every 5 ms, which the engine thread would
@@ -72,7 +75,7 @@ async def run_in_thread(
     sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
     works: queue.SimpleQueue = queue.SimpleQueue()
     thread = threading.Thread(
-        target=_step_loop, args=(engine, works, trio.lowlevel.current_trio_token(), outbox, capture_next),
+        target=_step_loop, args=(engine, works, trio.lowlevel.current_trio_token(), outbox, capture_next, on_captured),
         name="spark-engine", daemon=True,
     )
     thread.start()
@@ -98,7 +101,8 @@ async def hand_over(inbox: trio.MemoryReceiveChannel, works: queue.SimpleQueue) 
             works.put(each)
 
 
-def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendChannel, capture_next) -> None:
+def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendChannel, capture_next,
+               on_captured=None) -> None:
     """Step every ``StepWork`` from ``works`` until None; each ``StepResult`` goes to ``outbox``.
 
     An engine that can ``launch`` a step without waiting for it keeps two in flight:
@@ -107,6 +111,7 @@ def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendC
     launch it finishes the oldest; with nothing at all it captures a CUDA graph.
     """
     keep = 1 if hasattr(engine, "launch") else 0  # launched steps left in flight after a launch
+    graph_progress = engine.graph_progress if on_captured is not None else None
     if not keep:
         engine = _StepAtLaunch(engine)
     capturing = capture_next is not None
@@ -140,6 +145,11 @@ def _step_loop(engine, works: queue.SimpleQueue, token, outbox: trio.MemorySendC
             continue
         if capturing and not inflight and works.empty():
             capturing = capture_one(capture_next)
+            if on_captured is not None:
+                try:
+                    token.run_sync_soon(on_captured, *graph_progress())
+                except trio.RunFinishedError:
+                    return
             continue
         work = works.get()
         if work is None:
@@ -182,6 +192,17 @@ def deliver(outbox: trio.MemorySendChannel, result: StepResult) -> None:
         outbox.send_nowait(result)
     except (trio.ClosedResourceError, trio.BrokenResourceError):
         pass  # shutting down
+
+
+def graph_gauges(metrics, engine) -> Callable[[int, int], None]:
+    """``on_captured`` for ``run_in_thread``: the decode-graph gauges of ``metrics``, set now
+    to ``engine``'s progress (call it before the engine's thread starts)."""
+    def on_captured(captured: int, planned: int) -> None:
+        metrics.decode_graphs_captured.set(captured)
+        metrics.decode_graphs_planned.set(planned)
+
+    on_captured(*engine.graph_progress())
+    return on_captured
 
 
 def capture_one(capture_next: Callable[[], bool]) -> bool:

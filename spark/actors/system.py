@@ -109,8 +109,10 @@ async def open_system(
             else:
                 can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
                 capture = engine.capture_next_graph if can_capture and can_capture(config.max_batch_size) else None
+                on_captured = None if capture is None else gpu_runner.graph_gauges(metrics, engine)
                 await nursery.start(
-                    functools.partial(gpu_runner.run_in_thread, capture_next=capture), engine, work_recv, results_send,
+                    functools.partial(gpu_runner.run_in_thread, capture_next=capture, on_captured=on_captured),
+                    engine, work_recv, results_send,
                 )
             await nursery.start(functools.partial(
                 scheduler.run, SchedulerPolicy.from_config(allocator, config), admissions_recv, cancels_recv,

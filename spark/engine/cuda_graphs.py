@@ -66,6 +66,11 @@ class DecodeGraphs:
     def complete(self) -> bool:
         return not self._to_capture
 
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(buckets captured, buckets planned)."""
+        return len(self.graphs), len(self.buckets)
+
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured bucket that holds ``batch`` rows, or None."""
         ready = [b for b in self.graphs if b >= batch]

@@ -420,6 +420,10 @@ class Engine:
         """Capture one more decode graph; False when there is nothing left to capture."""
         return self.graphs is not None and self.graphs.capture_next()
 
+    def graph_progress(self) -> tuple[int, int]:
+        """(decode graphs captured, decode graphs planned); (0, 0) without graphs."""
+        return (0, 0) if self.graphs is None else self.graphs.progress
+
     def _complete(self, step: _Launched) -> list[TokenOutput]:
         """Read a launched step's samples back (the one host sync of a step) and advance its sequences."""
         if step.samples is None:
