@@ -119,7 +119,9 @@ def test_graph_steps_decode_the_tokens_of_eager_steps(engine, mix, in_flight):
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then")
     prompts = {f"s{i}": (ids[: 6 + 2 * i], p) for i, p in enumerate(mix)}
     eager = _decode(engine, prompts, in_flight=1)
+    assert engine.graph_progress() == (0, 0)
     engine.graphs = _with_graphs(engine)
+    assert engine.graph_progress() == (3, 3)  # buckets 1, 2 and 4, all "captured"
     sampled = []
     sampler = engine.sampler
     engine.sampler = lambda logits, batch: sampled.append(len(batch)) or sampler(logits, batch)
