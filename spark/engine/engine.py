@@ -28,7 +28,7 @@ from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
 from spark.engine.models.llama import LlamaModel, rope_inv_freq
 from spark.engine.page_allocator import PageAllocator
-from spark.engine.sampler import Sampler, SamplingBatch
+from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
 from spark.engine.transfer import HostCopy, upload
@@ -308,23 +308,20 @@ class Engine:
         if replayed is not None and len(sample_rows) == len(ids) and all(s.params.is_plain_greedy for s in seqs):
             # The graph took every row's argmax already: no sampler launch, and the
             # next step reads these tokens from the graphs' ring on the device.
-            step.token_ids = greedy
-            step.samples = HostCopy((greedy, None, None, None))
-            for row, s in enumerate(seqs):
-                s.pending.append((step, row))
-            return
-        if len(sample_rows) != logits.shape[0]:
-            logits = logits[upload(sample_rows, torch.int64, dev)]
-        batch = SamplingBatch(
-            params=tuple(s.params for s in seqs),
-            token_histories=tuple(
-                (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
-                for s in seqs
-            ),
-            seeds=tuple(s.seed for s in seqs),
-            steps=tuple(len(s.output_ids) + len(s.pending) for s in seqs),
-        )
-        result = self.sampler(logits, batch)
+            result = SampleOutput(token_ids=greedy)
+        else:
+            if len(sample_rows) != logits.shape[0]:
+                logits = logits[upload(sample_rows, torch.int64, dev)]
+            batch = SamplingBatch(
+                params=tuple(s.params for s in seqs),
+                token_histories=tuple(
+                    (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
+                    for s in seqs
+                ),
+                seeds=tuple(s.seed for s in seqs),
+                steps=tuple(len(s.output_ids) + len(s.pending) for s in seqs),
+            )
+            result = self.sampler(logits, batch)
         step.token_ids = result.token_ids
         step.samples = HostCopy((result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs))
         for row, s in enumerate(seqs):

@@ -104,11 +104,11 @@ class Sampler:
         params = batch.params
         raw = logits.float()  # raw: [B, V]
         x = raw if token_mask is None else raw.masked_fill(~token_mask, _NEG_INF)
+        if all(p.is_plain_greedy for p in params):
+            return SampleOutput(token_ids=greedy_tokens(x))
         top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         any_bias = any(p.logit_bias for p in params)
         any_penalty = any(p.has_penalties for p in params)
-        if all(p.is_plain_greedy for p in params):
-            return SampleOutput(token_ids=greedy_tokens(x))
         all_greedy = all(p.is_greedy for p in params)
 
         rows = _Rows.build(batch, V, logits.device)
