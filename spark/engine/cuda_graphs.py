@@ -27,6 +27,7 @@ import torch
 from spark.engine.attention import AttentionMetadata
 from spark.engine.kernels import decode_inputs
 from spark.engine.sampler import greedy_tokens
+from spark.engine.transfer import upload_into
 
 log = logging.getLogger("spark.cuda_graphs")
 
@@ -188,10 +189,7 @@ class DecodeGraphs:
         for _, rows, picks in host_fed:
             values += rows
             values += picks
-        staged = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
-        self.staged[: len(values)].copy_(staged, non_blocking=True)
+        upload_into(self.staged, values)
         for tokens, rows, picks in host_fed:
             n = len(rows)
             self.fed.index_copy_(0, self.staged[at:at + n], tokens.index_select(0, self.staged[at + n:at + 2 * n]))

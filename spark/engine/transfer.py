@@ -25,6 +25,15 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def upload_into(dst: torch.Tensor, values) -> None:
+    """``dst[:len(values)] = values`` (a list of numbers in ``dst``'s dtype), without a host sync
+    on a GPU: a static buffer, such as a CUDA graph's input, filled in one copy."""
+    host = torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst[: len(values)].copy_(host, non_blocking=True)
+
+
 class HostCopy:
     """Device tensors on their way to the host: the copies are queued at once, ``read`` waits for them."""
 
