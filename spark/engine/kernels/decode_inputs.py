@@ -67,7 +67,7 @@ def unpack_decode_inputs_triton(staged, bucket, ring, fed, input_ids, positions,
     kernel = _kernel()
     kernel[(bucket,)](
         staged, ring, fed, input_ids, positions, slot_mapping, seq_lens, block_tables, ring_index,
-        block_tables.stride(0), ring.shape[1], bucket, BLOCK=128,
+        block_tables.stride(0), ring.shape[1], bucket, BLOCK=128, FROM_FED=FEED_FROM_FED,
     )
 
 
@@ -83,7 +83,7 @@ def _kernel():
     @triton.jit(do_not_specialize=["table_stride", "ring_width", "bucket"])
     def unpack_decode_inputs_kernel(
         staged, ring, fed, input_ids, positions, slot_mapping, seq_lens, block_tables, ring_index,
-        table_stride, ring_width, bucket, BLOCK: tl.constexpr,
+        table_stride, ring_width, bucket, BLOCK: tl.constexpr, FROM_FED: tl.constexpr,
     ):
         row = tl.program_id(0)
         width = tl.load(staged)
@@ -94,7 +94,7 @@ def _kernel():
         # Both candidates are loaded from valid addresses and one is picked: no branch.
         from_ring = tl.load(ring + tl.maximum(feed, 0))
         from_fed = tl.load(fed + row)
-        token = tl.where(feed >= 0, from_ring, tl.where(feed == -2, from_fed, token))
+        token = tl.where(feed >= 0, from_ring, tl.where(feed == FROM_FED, from_fed, token))
         tl.store(input_ids + row, token)
         tl.store(positions + row, tl.load(rows + bucket))
         tl.store(slot_mapping + row, tl.load(rows + 2 * bucket))
