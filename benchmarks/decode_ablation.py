@@ -49,6 +49,7 @@ D, I = c.hidden_size, c.intermediate_size
 qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
 real_cfg = sl.default_config
 real_early = sl.EARLY_TILE_MAX_BYTES
+real_split = sl.split_config
 def cfg_for(by_shape):
     """default_config with the launch configs of `by_shape` ({(n, k): Config}) at the batch timed."""
     def f(m, n, k, **kw):
@@ -63,6 +64,8 @@ variants = {
     # One piece of the batch-1 step left out (the fused small-row path).
     # (the real kernels are bound first: the launcher reads triton's module from them)
     "skip_attention": {"kernels": lambda: (real_kernels(), (Noop(), Noop()))[1], "rows": "one"},
+    # ... and at 2+ rows (decode attention's whole cost in the chain of a larger batch).
+    "skip_attention_rows": {"kernels": lambda: (real_kernels(), (Noop(), Noop()))[1], "rows": "dot"},
     **{f"skip_{name}": {"sl": skip_shape(shape), "rows": "one"}
        for name, shape in (("wqkv", WQKV), ("wo", WO), ("w13", W13), ("w2", W2))},
 }
@@ -87,6 +90,39 @@ if preset == "llama-3.1-8b":
         for cfg in cfgs:
             variants[f"{name}:{tag(cfg)}"] = {"cfg": cfg_for({s: cfg for s in shapes}),
                                               "rows": "dot" if cfg.use_dot else "one"}
+    # 33-64 rows: wo and w2 in 32-output tiles are 128 programs on an H200's 132 SMs, one
+    # weight stream per SM; 16-output tiles make 256. (K steps of 512 at 64 rows overflow
+    # shared memory: the activation tile is 64 KB a stage.)
+    for name, shapes in (("wo", [WO]), ("w2", [W2]), ("w13", [(I, D)])):
+        for cfg in (dot(16, 256, num_stages=4), dot(16, 128, num_stages=6), dot(16, 256, num_stages=3),
+                    dot(32, 128, num_stages=6)):
+            variants.setdefault(f"{name}:{tag(cfg)}", {"cfg": cfg_for({s: cfg for s in shapes}), "rows": "dot"})
+    for cfg in (dot(16, 256, num_stages=4), dot(16, 128, num_stages=6)):
+        variants[f"wo_w2:{tag(cfg)}"] = {"cfg": cfg_for({WO: cfg, W2: cfg}), "rows": "dot"}
+    # 33-64 rows: wo and w2 with K split (fp32 partials summed by the next add-norm),
+    # wide output tiles and enough programs.
+    def split_for(shapes, cfg):
+        return lambda m, n, k: cfg if m == batch and (n, k) in shapes else real_split(m, n, k)
+
+    split_cfgs = {}
+    for cfg in (dot(64, 128, num_stages=4, split_k=2), dot(64, 128, num_stages=4, split_k=4),
+                dot(128, 128, num_stages=4, split_k=4), dot(128, 128, num_stages=4, num_warps=8, split_k=4),
+                dot(64, 256, num_stages=3, split_k=2), dot(32, 256, num_stages=4, split_k=2),
+                dot(64, 256, num_stages=3, split_k=4), dot(128, 256, num_stages=2, split_k=2),
+                dot(128, 256, num_stages=2, split_k=4), dot(64, 256, num_stages=3, num_warps=8, split_k=2)):
+        t = split_cfgs.setdefault(f"{tag(cfg)}k{cfg.split_k}", cfg) and f"{tag(cfg)}k{cfg.split_k}"
+        for name, shapes in (("wo_w2", [WO, W2]), ("wo", [WO]), ("w2", [W2])):
+            variants[f"split_{name}:{t}"] = {"patch": {(sl, "split_config"): split_for(shapes, cfg)}, "rows": "dot"}
+    variants["no_split"] = {"patch": {(sl, "split_config"): lambda m, n, k: None}, "rows": "dot"}
+
+    def split_mix(by_shape):
+        return lambda m, n, k: by_shape.get((n, k)) if m == batch else real_split(m, n, k)
+
+    # wo and w2 each in its own split shape.
+    for wo_tag, w2_tag in (("64x256w4s3k2", "128x128w4s4k4"), ("64x256w4s3k2", "64x256w4s3k4"),
+                           ("64x128w4s4k2", "128x128w4s4k4")):
+        variants[f"split_mix:{wo_tag}+{w2_tag}"] = {
+            "patch": {(sl, "split_config"): split_mix({WO: split_cfgs[wo_tag], W2: split_cfgs[w2_tag]})}, "rows": "dot"}
     # The one-row launch shapes before the sweep of 2026-12-01 (an A/B of that change).
     variants["before_one_row_sweep"] = {"cfg": cfg_for({
         WQKV: C(8, 512, num_warps=2), WO: C(8, 512), W13: one(8, 1024), W2: one(4, 2048)}), "rows": "one"}

@@ -193,6 +193,22 @@ def check_small_linear_rows(rows: list) -> None:
                 rows.append(_compare("small_linear_rows", "w13+gate", m, sl.small_linear_triton(x, w, gated_output=True),
                                      activation.silu_and_mul_triton(torch.nn.functional.linear(x, w))))
             rows.append(_compare("small_linear_rows", name, m, got, want))
+    # Split K at 64 rows (wo, w2): the partials summed by the add-norm kernel, as the model
+    # runs them, against cuBLAS + the unsplit add-norm.
+    from spark.engine.kernels import norm as norm_kernels
+    for name, n, k in (("wo", 4096, 4096), ("w2", 4096, 14336)):
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        residual = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        g = (torch.rand(n, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+        for cfg in (sl.split_config(64, n, k), sl.Config(64, 128, num_stages=4, use_dot=True, split_k=4)):
+            if cfg is None:
+                continue
+            partials = sl.small_linear_split_k_triton(x, w, cfg)
+            got = norm_kernels.add_rms_norm_triton(partials, residual, g, 1e-5)
+            want = norm_kernels.add_rms_norm_triton(torch.nn.functional.linear(x, w), residual, g, 1e-5)
+            rows.append(_compare("small_linear_split_k", f"{name}+add_norm k{cfg.split_k}", 64, got[1], want[1]))
+            rows.append(_compare("small_linear_split_k", f"{name}+add_norm k{cfg.split_k} normed", 64, got[0], want[0]))
     # Batch 1's w13 of a wide model: the norm before and the gate after, on the one-row path.
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
     w = (torch.randn(28672, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)

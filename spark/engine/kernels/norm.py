@@ -41,15 +41,19 @@ def add_rms_norm_reference(
     """Residual add then RMSNorm (torch reference).
 
     Args:
-      x: `[..., D]` the sublayer output.
-      residual: `[..., D]` the residual stream, x's dtype.
+      x: `[..., D]` the sublayer output, or `[S, ..., D]` fp32 split-K partial products
+        of it (`small_linear.small_linear_split_k_triton`), summed and rounded to the
+        residual's dtype first, as the unsplit projection rounds its output.
+      residual: `[..., D]` the residual stream, x's dtype (unless partials).
       weight: `[D]`.
       eps: added to the mean square before the rsqrt.
 
     Returns:
-      `(normed, new_residual)`: `new_residual = x + residual` in x's dtype and
+      `(normed, new_residual)`: `new_residual = x + residual` in the residual's dtype and
       `normed = rms_norm(new_residual)`.
     """
+    if x.dim() == residual.dim() + 1:
+        x = x.sum(0).to(residual.dtype)
     h = x + residual
     return rms_norm_reference(h, weight, eps), h
 
@@ -77,28 +81,35 @@ def add_rms_norm_triton(
     Same arguments and results as `add_rms_norm_reference`; both outputs are new
     contiguous tensors, the inputs are left alone.
     """
+    if x.dim() == residual.dim() + 1:  # split-K partials: the kernel sums them
+        assert x.shape[1:] == residual.shape and x.dtype == torch.float32
+        return _launch(x.reshape(x.shape[0], -1, x.shape[-1]), residual, weight, eps, shape=residual.shape)
     assert residual.shape == x.shape and residual.dtype == x.dtype
     return _launch(x, residual, weight, eps)
 
 
-def _launch(x, residual, weight, eps):
-    shape, dim = x.shape, x.shape[-1]
+def _launch(x, residual, weight, eps, shape=None):
+    """With `shape` given, x is `[S, rows, D]` partials of the rows of that shape."""
+    parts = 1 if shape is None else x.shape[0]
+    shape, dim = shape or x.shape, x.shape[-1]
     assert weight.shape == (dim,)
     has_residual = residual is not None
     # Leading dims flattened into rows; reshape copies only when they cannot be viewed.
-    x = x.reshape(-1, dim)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x = x.reshape(-1, dim) if parts == 1 else x
+    dtype = residual.dtype if has_residual else x.dtype
+    out = torch.empty(x.shape[-2:], dtype=dtype, device=x.device)
     # Without a residual the kernel never touches these; x fills the arguments.
     residual = residual.reshape(-1, dim) if has_residual else x
     residual_out = torch.empty_like(out) if has_residual else x
-    if x.shape[0] > 0:
+    if out.shape[0] > 0:
         kernel = _kernel()
         block_d = triton.next_power_of_2(dim)
-        kernel[(x.shape[0],)](
+        kernel[(out.shape[0],)](
             x, residual, weight, out, residual_out,
-            x.stride(0), x.stride(1), residual.stride(0), residual.stride(1), weight.stride(0),
+            x.stride(0) if parts > 1 else 0, x.stride(-2), x.stride(-1),
+            residual.stride(0), residual.stride(1), weight.stride(0),
             dim, eps,
-            HAS_RESIDUAL=has_residual, BLOCK_D=block_d,
+            HAS_RESIDUAL=has_residual, PARTS=parts, BLOCK_D=block_d,
             # ~8-16 fp32 elements of the row per thread; 8 warps carry D = 8192 at 32 each.
             num_warps=min(max(block_d // 512, 1), 8), **launch.pdl(kernel, x),
         )
@@ -117,9 +128,9 @@ def _kernel():
     @triton.jit
     def rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-        stride_xt, stride_xd, stride_rt, stride_rd, stride_w,
+        stride_xs, stride_xt, stride_xd, stride_rt, stride_rd, stride_w,
         dim, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # the rows come from the kernel before
             tl.extra.cuda.gdc_wait()
@@ -133,6 +144,12 @@ def _kernel():
         # Loaded as fp32: the interpreter mishandles bf16 arithmetic, and fp32 is where
         # the reference computes anyway.
         x = tl.load(x_ptr + row * stride_xt + dims * stride_xd, mask=dim_ok, other=0.0).to(tl.float32)
+        if PARTS > 1:
+            # Split-K partial products of the projection before: their fp32 sum, rounded
+            # as that projection would round its output.
+            for part in tl.static_range(1, PARTS):
+                x += tl.load(x_ptr + part * stride_xs + row * stride_xt + dims * stride_xd, mask=dim_ok, other=0.0)
+            x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(residual_ptr + row * stride_rt + dims * stride_rd, mask=dim_ok, other=0.0).to(tl.float32)
             # Round the sum to the input dtype before normalising, as eager bf16 `x + r` does;

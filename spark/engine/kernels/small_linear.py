@@ -71,6 +71,9 @@ class Config:
         kernel's tail. It pays for small weights, whose kernels are mostly latency; for
         long weight streams it costs, the early programs' loads slowing the kernel still
         draining (8B batch 1 on an H200: 235.6 tok/s with it, 239.9 without).
+      split_k: partitions of K, each its own program (`small_linear_split_k_triton`
+        only): the grid is `cdiv(N, block_n) * split_k` programs, each writing an fp32
+        partial product that the consumer sums.
     """
 
     block_n: int
@@ -80,6 +83,7 @@ class Config:
     use_dot: bool = False
     defer_reduce: bool = True
     early_tile: bool = False
+    split_k: int = 1
 
 
 # Weights up to this size load their first tile early (`Config.early_tile`): SmolLM2's
@@ -157,6 +161,22 @@ def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
     if wide:
         return wide_dot
     return Config(16, 128, num_warps=4, num_stages=6, use_dot=True) if -(-n // 32) < 132 else dot
+
+
+def split_config(m: int, n: int, k: int) -> Config | None:
+    """The split-K launch shape for a plain product of `m` rows (33-64) with an `[n, k]`
+    weight, or None where the unsplit kernel is the faster.
+
+    A weight of fewer than 132 64-output tiles (an H200's SMs) splits K in two, in tiles
+    of 64 outputs over K steps of 256: inside the graphed 8B decode step at 64 rows (wo
+    and w2, N = 4096), 2.5 us a layer faster than the unsplit 32-output tiles (on one
+    H200, decode_ablation.py split_*); 4 partitions of 64-output tiles, or 2 of 32, were
+    slower than none.
+    """
+    split = Config(64, 256, num_stages=3, use_dot=True, split_k=2)
+    if not (MAX_PROLOGUE_ROWS * 2 < m <= MAX_ROWS) or -(-n // split.block_n) >= 132:
+        return None
+    return split if k % (split.split_k * split.block_k) == 0 else None
 
 
 def gate_in_epilogue(m: int, k: int) -> bool:
@@ -281,8 +301,65 @@ def small_linear_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile, SPLIT_K=1, PARTIALS=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
+    )
+    return out
+
+
+def small_linear_split_k_reference(x: torch.Tensor, weight: torch.Tensor, split_k: int) -> torch.Tensor:
+    """The fp32 partial products of `x @ weight.T` over `split_k` equal runs of K (torch reference).
+
+    Args:
+      x: `[M, K]`.
+      weight: `[N, K]`, x's dtype.
+      split_k: partitions of K; K must be a multiple.
+
+    Returns:
+      `[split_k, M, N]` fp32; their sum is the product before its rounding.
+    """
+    k = weight.shape[1]
+    assert k % split_k == 0
+    xs = x.float().reshape(x.shape[0], split_k, k // split_k).transpose(0, 1)  # [S, M, K/S]
+    ws = weight.float().reshape(weight.shape[0], split_k, k // split_k).transpose(0, 1)  # [S, N, K/S]
+    return torch.bmm(xs, ws.transpose(1, 2))
+
+
+def small_linear_split_k_triton(x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor:
+    """`small_linear_split_k_reference` in one kernel (Triton), `config.split_k` partitions.
+
+    At 33-64 rows a plain projection of a weight with few outputs (Llama-3.1-8B's wo and
+    w2, N = 4096) gets few programs: in 32-output tiles 128 programs on an H200's 132 SMs,
+    each streaming its whole run of K, and every program also re-reads the whole
+    activation tile from L2 (16-output tiles, twice the programs, were slower). Splitting
+    K keeps wide tiles and gives the GPU enough programs. The consumer, the residual add
+    before the next norm (`norm.add_rms_norm_triton`), sums the partials: no extra launch.
+
+    Args:
+      x: `[M, K]` bf16/fp16 (fp32 on the CPU), M <= 64, rows may be strided.
+      weight: `[N, K]`, x's dtype, contiguous along K.
+      config: launch shape; `config.split_k` divides K into runs that are whole `block_k` steps.
+
+    Returns:
+      `[split_k, M, N]` fp32 partials, contiguous.
+    """
+    assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == x.dtype and weight.stride(1) == 1
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert m <= MAX_ROWS and x.shape[1] == k and not config.early_tile
+    assert k % (config.split_k * config.block_k) == 0, "each partition is whole block_k steps"
+    out = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    kernel = _kernel()
+    block_m = max(16, triton_next_power_of_2(m)) if config.use_dot else triton_next_power_of_2(m)
+    # No prologue or residual: x fills those pointers.
+    kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+        x, weight, x, x, out, m, n, x.stride(0), x.stride(1), weight.stride(0), 0, 0.0,
+        K=k, PROLOGUE=_PLAIN, HAS_RESIDUAL=False, GATED_OUTPUT=False,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True,
+        USE_DOT=config.use_dot, DEFER_REDUCE=config.defer_reduce,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=False, SPLIT_K=config.split_k, PARTIALS=True,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch.pdl(kernel, x),
     )
     return out
 
@@ -352,9 +429,9 @@ def _kernel():
         K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED_OUTPUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
     ):
-        dtype = out_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -362,7 +439,9 @@ def _kernel():
         # The last program's spare outputs re-read weight row N - 1 instead of masking:
         # the weight loads, the whole cost, stay unmasked and 16 bytes wide.
         w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-        ks = tl.arange(0, BLOCK_K)
+        # This program's run of K: all of it, or partition program_id(1) of SPLIT_K.
+        K_PART: tl.constexpr = K // SPLIT_K
+        ks = tl.program_id(1) * K_PART + tl.arange(0, BLOCK_K)
         if EARLY_TILE:
             # The weights are no earlier kernel's output: the first tile loads before the
             # wait, in flight while the previous kernel drains (see `Config.early_tile`).
@@ -387,7 +466,7 @@ def _kernel():
         if EARLY_TILE:  # the first step, on the early tile
             a, sum_sq = _activation_tile(x_rows, ks, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K, PROLOGUE)
             acc = _product(acc, a, w_first, USE_DOT, DEFER_REDUCE, DOT_PRECISION)
-        for k0 in range(BLOCK_K if EARLY_TILE else 0, K, BLOCK_K):
+        for k0 in range(BLOCK_K if EARLY_TILE else 0, K_PART, BLOCK_K):
             k = k0 + ks
             a, sum_sq = _activation_tile(x_rows, k, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K, PROLOGUE)
             acc = _product(acc, a, _load_weight(w_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION)
@@ -400,15 +479,20 @@ def _kernel():
             acc = acc * rstd
             acc_up = acc_up * rstd  # zeros unless GATED_OUTPUT
 
-        if GATED_OUTPUT:  # both products rounded as the unfused projection's output is
-            gate = acc.to(dtype).to(tl.float32)
-            y = _silu_mul(gate, acc_up.to(dtype).to(tl.float32)).to(dtype)
+        if PARTIALS:  # fp32 partials [SPLIT_K, M, N]: no prologue, gate or residual here
+            part = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+            tl.store(part + rows.to(tl.int64)[:, None] * N + cols[None, :], acc,
+                     mask=row_ok[:, None] & col_ok[None, :])
         else:
-            y = acc.to(dtype)
-        out_mask = row_ok[:, None] & col_ok[None, :]
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y, mask=out_mask)
+            if GATED_OUTPUT:  # both products rounded as the unfused projection's output is
+                gate = acc.to(dtype).to(tl.float32)
+                y = _silu_mul(gate, acc_up.to(dtype).to(tl.float32)).to(dtype)
+            else:
+                y = acc.to(dtype)
+            out_mask = row_ok[:, None] & col_ok[None, :]
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)
+                y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y, mask=out_mask)
 
     return small_linear_kernel

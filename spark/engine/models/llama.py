@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): one fused kernel on a GPU."""
+        """(norm(x + residual), x + residual): one fused kernel on a GPU, where x may also be
+        the split-K partials of the projection before (``project``), summed there."""
         if x.is_cuda:
             return norm_kernels.add_rms_norm_triton(x, residual, self.weight, self.eps)
         h = x + residual
@@ -72,8 +73,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """``linear(x)``: on a GPU, for a decode batch of 33-64 rows of a wide model, through the
-    small-row kernel, which streams such a weight faster than cuBLAS (kernels/small_linear.py)."""
-    if x.is_cuda and linear.bias is None and small_linear.beats_cublas(x.shape[0], linear.in_features, x.dtype):
+    small-row kernel, which streams such a weight faster than cuBLAS (kernels/small_linear.py).
+
+    Where that kernel splits K (``small_linear.split_config``), the result is its fp32
+    partial products ``[S, T, N]``: the caller hands them to ``RMSNorm.add_forward``
+    (every projection here feeds the residual add before a norm), which sums them.
+    """
+    m, k = x.shape[0], linear.in_features
+    if x.is_cuda and linear.bias is None and small_linear.beats_cublas(m, k, x.dtype):
+        split = small_linear.split_config(m, linear.out_features, k)
+        if split is not None:
+            return small_linear.small_linear_split_k_triton(x, linear.weight, split)
         return small_linear.small_linear_triton(x, linear.weight)
     return linear(x)
 

@@ -74,6 +74,21 @@ def test_add_triton_matches_reference(num_tokens, dim):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs untouched
 
 
+@pytest.mark.parametrize("parts", [2, 4])
+def test_add_of_split_k_partials(parts, bf16_rounds_to_nearest):
+    """x as fp32 split-K partials [S, T, D]: summed, rounded to the residual's bf16 as the
+    unsplit projection rounds its output, then added; the reference does the same."""
+    _, residual, weight = _rows(6, 576, torch.bfloat16, seed=parts)
+    partials = torch.randn(parts, 6, 576, generator=torch.Generator().manual_seed(parts))
+    normed, new_residual = add_rms_norm_triton(partials, residual, weight, EPS)
+    expected_normed, expected_residual = add_rms_norm_reference(partials, residual, weight, EPS)
+    assert new_residual.dtype == normed.dtype == torch.bfloat16 and new_residual.shape == (6, 576)
+    assert torch.equal(new_residual, expected_residual)
+    assert_bf16_nearly_exact(normed, expected_normed)
+    # ... and every partial counts: the first alone gives another stream.
+    assert not torch.equal(new_residual, add_rms_norm_reference(partials[0], residual.float(), weight, EPS)[1].bfloat16())
+
+
 @pytest.mark.parametrize("num_tokens, dim", [(9, 576), (2, 4096)])
 def test_triton_bf16(num_tokens, dim, bf16_rounds_to_nearest):
     x, residual, weight = _rows(num_tokens, dim, torch.bfloat16)

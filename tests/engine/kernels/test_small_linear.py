@@ -76,6 +76,28 @@ def test_plain_product_of_up_to_64_rows(m, residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("m, use_dot", [(1, False), (40, True), (64, True)])
+def test_split_k_partials(m, use_dot, split_k, dtype):
+    """Each program's partial product over its run of K, in fp32 (N off the block size:
+    a partial last program)."""
+    x, weight, _ = make_inputs(m, 72, 256, dtype, prologue="plain", residual=False, seed=m + split_k)
+    config = sl.Config(block_n=32, block_k=32, use_dot=use_dot, defer_reduce=False, split_k=split_k)
+    partials = sl.small_linear_split_k_triton(x, weight, config)
+    expected = sl.small_linear_split_k_reference(x, weight, split_k)
+    assert partials.shape == (split_k, m, 72) and partials.dtype == torch.float32
+    torch.testing.assert_close(partials, expected, rtol=1e-4, atol=1e-4)
+    # The partials sum to the product (the unsplit kernel's, before its rounding).
+    torch.testing.assert_close(partials.sum(0), x.float() @ weight.float().T, rtol=1e-4, atol=1e-4)
+
+
+def test_split_k_wants_whole_block_steps_per_partition():
+    x, weight, _ = make_inputs(4, 32, 96, torch.float32, prologue="plain", residual=False)
+    with pytest.raises(AssertionError, match="whole block_k steps"):
+        sl.small_linear_split_k_triton(x, weight, sl.Config(block_n=32, block_k=32, split_k=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("m", [3, 40])
 def test_gated_output(m, dtype):
     """silu(x @ W_gate.T) * (x @ W_up.T) in the epilogue, K off the block size (a tail step)."""
