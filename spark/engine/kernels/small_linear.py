@@ -29,7 +29,8 @@ From 17 to 64 rows the kernel takes no prologue: each program would recompute it
 all its rows, the gate's exp on the special function units alone costing more than
 the weight stream. The gate goes to w13's epilogue instead, where each output is
 computed once. There, for Llama-3.1-8B's wo, w13 and w2, the kernel still beats
-cuBLAS (`benchmarks/decode_gemm_bench.py`), and the epilogue saves the gate's launch.
+cuBLAS (`benchmarks/decode_gemm_bench.py`), and the epilogue saves the gate's launch. A
+weight of few outputs (wo, w2) splits K there: fp32 partials the next add-norm sums (`split_config`).
 """
 
 import functools
