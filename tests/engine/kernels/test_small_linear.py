@@ -91,6 +91,18 @@ def test_split_k_partials(m, use_dot, split_k, dtype):
     torch.testing.assert_close(partials.sum(0), x.float() @ weight.float().T, rtol=1e-4, atol=1e-4)
 
 
+def test_split_config_for_few_outputs_at_33_to_64_rows():
+    """Llama-3.1-8B's wo and w2 (4096 outputs) split at 64 rows; w13, the vocabulary and
+    the rows with prologues do not; every chosen split is whole block_k steps."""
+    for k in (4096, 14336):
+        cfg = sl.split_config(64, 4096, k)
+        assert cfg is not None and cfg.split_k == 2 and k % (cfg.split_k * cfg.block_k) == 0
+    assert sl.split_config(33, 4096, 4096) is not None
+    assert sl.split_config(16, 4096, 4096) is None and sl.split_config(1, 4096, 4096) is None
+    assert sl.split_config(64, 28672, 4096) is None and sl.split_config(64, 128256, 4096) is None
+    assert sl.split_config(64, 4096, 4096 + 256) is None  # K not whole steps in both halves
+
+
 def test_split_k_wants_whole_block_steps_per_partition():
     x, weight, _ = make_inputs(4, 32, 96, torch.float32, prologue="plain", residual=False)
     with pytest.raises(AssertionError, match="whole block_k steps"):
