@@ -51,6 +51,7 @@ _load_weight = _activation_tile = _product = None  # the kernel's steps, bound b
 
 MAX_ROWS = 64
 MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
+H200_SMS = 132  # the launch shapes were measured there: fewer programs leave SMs idle
 _PLAIN, _NORM, _GATED = 0, 1, 2
 
 
@@ -161,7 +162,7 @@ def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
         return dot
     if wide:
         return wide_dot
-    return Config(16, 128, num_warps=4, num_stages=6, use_dot=True) if -(-n // 32) < 132 else dot
+    return Config(16, 128, num_warps=4, num_stages=6, use_dot=True) if -(-n // 32) < H200_SMS else dot
 
 
 def split_config(m: int, n: int, k: int) -> Config | None:
@@ -175,7 +176,7 @@ def split_config(m: int, n: int, k: int) -> Config | None:
     slower than none.
     """
     split = Config(64, 256, num_stages=3, use_dot=True, split_k=2)
-    if not (MAX_PROLOGUE_ROWS * 2 < m <= MAX_ROWS) or -(-n // split.block_n) >= 132:
+    if not (MAX_PROLOGUE_ROWS * 2 < m <= MAX_ROWS) or -(-n // split.block_n) >= H200_SMS:
         return None
     return split if k % (split.split_k * split.block_k) == 0 else None
 
@@ -290,21 +291,10 @@ def small_linear_triton(
     cfg = config or default_config(m, n, k, norm=norm_weight is not None, gated=gated, gated_output=gated_output)
     assert cfg.use_dot or not cfg.defer_reduce or not gated_output, "the gated epilogue reduces every step"
     assert not (cfg.early_tile and gated_output), "the early tile is the gate's alone"
-    kernel = _kernel()
-    block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
-    # Without a norm or a residual the kernel never touches those pointers; x fills them.
-    kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
-        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
-        K=k,
-        PROLOGUE=_NORM if norm_weight is not None else _GATED if gated else _PLAIN,
-        HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
-        # A float32 dot would default to tf32 on the tensor cores; keep it exact.
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile, SPLIT_K=1, PARTIALS=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
-    )
+    assert cfg.split_k == 1, "a split K writes partials: small_linear_split_k_triton"
+    prologue = _NORM if norm_weight is not None else _GATED if gated else _PLAIN
+    _launch(x, weight, out, cfg, prologue=prologue, norm_weight=norm_weight, eps=eps, residual=residual,
+            gated_output=gated_output)
     return out
 
 
@@ -351,18 +341,28 @@ def small_linear_split_k_triton(x: torch.Tensor, weight: torch.Tensor, config: C
     out = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
-    kernel = _kernel()
-    block_m = max(16, triton_next_power_of_2(m)) if config.use_dot else triton_next_power_of_2(m)
-    # No prologue or residual: x fills those pointers.
-    kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-        x, weight, x, x, out, m, n, x.stride(0), x.stride(1), weight.stride(0), 0, 0.0,
-        K=k, PROLOGUE=_PLAIN, HAS_RESIDUAL=False, GATED_OUTPUT=False,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True,
-        USE_DOT=config.use_dot, DEFER_REDUCE=config.defer_reduce,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=False, SPLIT_K=config.split_k, PARTIALS=True,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch.pdl(kernel, x),
-    )
+    _launch(x, weight, out, config, partials=True)
     return out
+
+
+def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, eps=0.0, residual=None,
+            gated_output=False, partials=False) -> None:
+    """One launch of the kernel into `out` (`[M, N]`, or `[split_k, M, N]` fp32 `partials`)."""
+    m, n, k = x.shape[0], out.shape[-1], weight.shape[1]
+    kernel = _kernel()
+    block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
+    # Without a norm or a residual the kernel never touches those pointers; x fills them.
+    kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
+        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+        K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
+        # A float32 dot would default to tf32 on the tensor cores; keep it exact.
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
+        SPLIT_K=cfg.split_k, PARTIALS=partials,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
+    )
 
 
 @functools.cache
