@@ -31,7 +31,6 @@ engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model
 real_sl = sl.small_linear_triton
 real_kernels = pa._kernels
 real_choose = pa.choose_num_splits
-real_attn = llama.paged_decode_attention_rope
 
 class Noop:
     def __getitem__(self, grid):
@@ -132,7 +131,7 @@ if preset == "llama-3.1-8b":
         """Attention.forward with wqkv in the small-row kernel at the batch timed (cuBLAS's at 33-64 rows)."""
         def forward(self, x, rope, k_cache, v_cache, meta):
             qkv = sl.small_linear_triton(x, self.wqkv.weight, config=cfg) if x.shape[0] == batch else self.wqkv(x)
-            return llama.project(self.attend(qkv, rope, k_cache, v_cache, meta), self.wo)
+            return self.ops.project(self.attend(qkv, rope, k_cache, v_cache, meta), self.wo)
         return forward
 
     for cfg in (dot(64, 128, num_stages=4), dot(32, 256, num_stages=4), dot(64, 64, num_stages=6)):
@@ -150,7 +149,7 @@ for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
 
 
 def gate_in_w2(self, h, rope, k_cache, v_cache, meta):
-    """Block.forward_one_row as before 2026-12-01's second session: the gate in w2's prologue."""
+    """The one-row block (``TritonOps.block_one_row``) as before 2026-12-01's second session: the gate in w2's prologue."""
     attention, ffn = self.attention, self.feed_forward
     qkv = sl.small_linear_triton(h, attention.wqkv.weight, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
     h = sl.small_linear_triton(attention.attend(qkv, rope, k_cache, v_cache, meta), attention.wo.weight, residual=h)
@@ -158,7 +157,8 @@ def gate_in_w2(self, h, rope, k_cache, v_cache, meta):
     return sl.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
 
 
-variants["gate_in_w2"] = {"patch": {(llama.Block, "forward_one_row"): gate_in_w2}, "rows": "one"}
+# On the model's ops object (an instance attribute: a plain function, called as block_one_row(block, h, ...)).
+variants["gate_in_w2"] = {"patch": {(engine.model.ops, "block_one_row"): gate_in_w2}, "rows": "one"}
 # The one-row shapes of w13 with the gate in its epilogue, and of w2 without a prologue.
 _one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731
 for name, shape, cfgs in [
@@ -184,7 +184,6 @@ for batch in batches:
     for name, v in variants.items():
         if v.get("rows") == ("dot" if batch == 1 else "one"):
             continue  # a launch config for the other row count
-        llama.paged_decode_attention_rope = v.get("attn", real_attn)
         pa._kernels = v.get("kernels", real_kernels)
         pa.choose_num_splits = v.get("choose", real_choose)
         sl.small_linear_triton = v.get("sl", real_sl)

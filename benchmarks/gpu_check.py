@@ -178,7 +178,7 @@ def bench(fn, reps: int = 20) -> float:
 
 
 def check_small_linear_rows(rows: list) -> None:
-    """The small-row kernel where the model routes 33-64 rows to it (``llama.project``),
+    """The small-row kernel where the model routes 33-64 rows to it (``TritonOps.project``),
     against cuBLAS on Llama-3.1-8B's shapes: the same product, up to fp32 summation order."""
     from spark.engine.kernels import small_linear as sl
 

@@ -1,9 +1,10 @@
 """Attention over the paged KV cache, for one flat varlen batch.
 
 The engine builds one ``AttentionMetadata`` per step; every layer reuses it.
-Which implementation runs is decided by the device: the torch references on
-the CPU (Triton's interpreter is far too slow to serve from), the Triton
-kernels on a GPU where they apply.
+Two implementations of one step (rotate q and k, write k and v, attend): the torch
+references (``rope_attend_reference``; the CPU, where Triton's interpreter is far too
+slow to serve from) and the Triton kernels (``rope_attend_triton``). Which one a
+model runs is chosen once, when it is built (``models/ops.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from spark.engine.kernels import kv_write, paged_attention as pa, prefill_attention
+from spark.engine.kernels import kv_write, paged_attention as pa, prefill_attention, rope
 
 
 @attrs.frozen
@@ -39,30 +40,53 @@ def leading_single_rows(query_start_loc: list[int]) -> int:
     return n
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, H, Dh]
-    k: torch.Tensor,  # [T, Hkv, Dh]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation (NeoX) RoPE. x: [T, H, Dh]; cos, sin: [T, Dh // 2] fp32, shared by every layer."""
+    return rope.rotate(x, cos[:, None, :], sin[:, None, :])
+
+
+def rope_attend_reference(
+    q: torch.Tensor,  # [T, H, Dh] unrotated
+    k: torch.Tensor,  # [T, Hkv, Dh] unrotated
     v: torch.Tensor,  # [T, Hkv, Dh]
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T, Dh // 2] fp32 each
     k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into their pages, then attend. Returns [T, H, Dh].
-
-    ``kv_written``: the caller has already written k and v into the cache (the fused
-    rope + KV-write kernel on a GPU), so they are not written again; k and v are unused.
-    """
-    on_gpu = q.is_cuda
-    if not kv_written:
-        write = kv_write.write_kv_triton if on_gpu else kv_write.write_kv_reference
-        write(k, v, k_cache, v_cache, meta.slot_mapping)
-    if on_gpu:
-        return attend_triton(q, k_cache, v_cache, meta, scale)
+    """Rotate q and k, write this step's K/V into their pages, attend (torch). Returns [T, H, Dh]."""
+    cos, sin = cos_sin
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kv_write.write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
     return pa.paged_attention_reference(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
     )
+
+
+def rope_attend_triton(
+    q: torch.Tensor,  # [T, H, Dh] unrotated
+    k: torch.Tensor,  # [T, Hkv, Dh] unrotated
+    v: torch.Tensor,  # [T, Hkv, Dh]
+    positions_inv_freq: tuple[torch.Tensor, torch.Tensor],  # [T] int64, [Dh // 2] fp32: kernels compute cos/sin
+    k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``rope_attend_reference`` in Triton kernels. Returns [T, H, Dh].
+
+    Decode at small batch is bound by kernel launches: a decode-only step rotates,
+    writes and attends in one launch; any other step rotates and writes in one, then
+    attention only reads the cache.
+    """
+    positions, inv_freq = positions_inv_freq
+    if meta.decode_only:
+        return pa.paged_decode_attention_rope_triton(
+            q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
+        )
+    q = rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+    return attend_triton(q, k_cache, v_cache, meta, scale)
 
 
 def attend_triton(
@@ -86,24 +110,3 @@ def attend_triton(
         return prefill
     decode = pa.paged_decode_attention_triton(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale)
     return torch.cat((decode, prefill))
-
-
-def paged_decode_attention_rope(
-    q: torch.Tensor,  # [B, H, Dh] unrotated
-    k: torch.Tensor,  # [B, Hkv, Dh] unrotated
-    v: torch.Tensor,  # [B, Hkv, Dh]
-    rope: tuple[torch.Tensor, torch.Tensor],  # positions [B] int64, inv_freq [Dh // 2] fp32
-    k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """GPU decode step (``meta.decode_only``): rope, KV write and attention in one launch. Returns [B, H, Dh].
-
-    Decode at small batch is bound by kernel launches; this saves the separate rope +
-    KV-write launch of every layer.
-    """
-    positions, inv_freq = rope
-    return pa.paged_decode_attention_rope_triton(
-        q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
-    )

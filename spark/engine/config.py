@@ -28,7 +28,7 @@ class ModelConfig:
     metadata (``spark.engine.weights.gguf``) or inline for dummy weights.
     """
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # a key of spark.engine.models.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -58,5 +58,3 @@ class ModelConfig:
         """Bytes one token occupies in the KV cache over all layers (K and V)."""
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
-
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")

@@ -6,6 +6,9 @@ One block covers Llama 2/3.x, SmolLM2 and Mistral; Qwen2 adds q/k/v biases
 batch ``[T]``: prefill chunks and single decode tokens side by side, no padding.
 Weights arrive with Hugging Face names and layout; q/k/v and gate/up are fused
 at load time so that each block runs two big matmuls instead of five.
+
+This file is the math; which kernels run it is ``ops`` (``models/ops.py``), handed
+to every module once at construction by the ``Runtime``.
 """
 
 from __future__ import annotations
@@ -16,33 +19,24 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from spark.engine.attention import AttentionMetadata, paged_attention, paged_decode_attention_rope
+from spark.engine.attention import AttentionMetadata
 from spark.engine.config import ModelConfig
-from spark.engine.kernels import activation, norm as norm_kernels, rope as rope_kernels, small_linear
+from spark.engine.models.ops import Ops
+from spark.engine.models.runtime import Runtime
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return norm_kernels.rms_norm_triton(x, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight, as HF does, so that
-        # bf16 runs round at the same place as the reference.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): one fused kernel on a GPU, where x may also be
-        the split-K partials of the projection before (``project``), summed there."""
-        if x.is_cuda:
-            return norm_kernels.add_rms_norm_triton(x, residual, self.weight, self.eps)
-        h = x + residual
-        return self(h), h
+        """(norm(x + residual), x + residual); x may be the split-K partials of the projection before."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -66,43 +60,22 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-rotation (NeoX) RoPE. x: [T, H, Dh]; cos, sin: [T, Dh // 2] fp32, shared by every layer."""
-    return rope_kernels.rotate(x, cos[:, None, :], sin[:, None, :])
-
-
-def project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(x)``: on a GPU, for a decode batch of 33-64 rows of a wide model, through the
-    small-row kernel, which streams such a weight faster than cuBLAS (kernels/small_linear.py).
-
-    Where that kernel splits K (``small_linear.split_config``), the result is its fp32
-    partial products ``[S, T, N]``: the caller hands them to ``RMSNorm.add_forward``
-    (every projection here feeds the residual add before a norm), which sums them.
-    """
-    m, k = x.shape[0], linear.in_features
-    if x.is_cuda and linear.bias is None and small_linear.beats_cublas(m, k, x.dtype):
-        split = small_linear.split_config(m, linear.out_features, k)
-        if split is not None:
-            return small_linear.small_linear_split_k_triton(x, linear.weight, split)
-        return small_linear.small_linear_triton(x, linear.weight)
-    return linear(x)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, D]; rope: (cos, sin) [T, Dh/2] on the CPU, (positions, inv_freq) on a GPU
-        return project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo)
+        # x: [T, D]; rope: from ops.rope, once a step
+        return self.ops.project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo)
 
     def attend(self, qkv, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of projected ``qkv`` [T, q + 2 kv] over the cache (this step's K/V written). Returns [T, q]."""
@@ -114,47 +87,28 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if qkv.is_cuda and meta.decode_only:
-            # One launch rotates q and k, writes k, v into the cache and attends.
-            out = paged_decode_attention_rope(q, k, v, rope, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
-        elif qkv.is_cuda:
-            # One launch rotates q and k and writes k, v into the cache; attention then
-            # only reads the cache. Decode at small batch is bound by kernel launches.
-            positions, inv_freq = rope
-            q = rope_kernels.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True)  # [T, H, Dh]
-        else:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
+        out = self.ops.attend(q, k, v, rope, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
         return out.reshape(T, q_size)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.ops = ops
         self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)  # gate, up
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and small_linear.beats_cublas(x.shape[0], x.shape[1], x.dtype):
-            # The gate in the w13 product's epilogue: one launch less, the [T, 2I] product never stored.
-            return project(small_linear.small_linear_triton(x, self.w13.weight, gated_output=True), self.w2)
-        gate_up = self.w13(x)  # [T, 2I]
-        if x.is_cuda:
-            return self.w2(activation.silu_and_mul_triton(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.w2(nn.functional.silu(gate) * up)
+        return self.ops.swiglu(x, self.w13, self.w2)  # w2(silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.attention = Attention(config, ops)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.feed_forward = FeedForward(config, ops)
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta):
         """x: the previous block's output, residual: the stream before it (None at the first block).
@@ -170,38 +124,31 @@ class Block(nn.Module):
         h, residual = self.ffn_norm.add_forward(attn, residual)
         return self.feed_forward(h), residual
 
-    def forward_one_row(self, h, rope, k_cache, v_cache, meta) -> torch.Tensor:
-        """The block for one token on a GPU: h is the residual stream [1, D]; returns the next.
-
-        Four launches of the small-batch linear kernel replace the two norms, the gate
-        and the four matmuls: each norm, the gate and each residual add ride along with
-        the projection next to them (see ``kernels/small_linear.py``): the gate in w13's
-        epilogue for a wide model, in w2's prologue for a small one (``gate_in_epilogue``).
-        """
-        attention, ffn = self.attention, self.feed_forward
-        qkv = small_linear.small_linear_triton(
-            h, attention.wqkv.weight, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
-        h = small_linear.small_linear_triton(
-            attention.attend(qkv, rope, k_cache, v_cache, meta), attention.wo.weight, residual=h)
-        norm = dict(norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps)
-        if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):
-            gated = small_linear.small_linear_triton(h, ffn.w13.weight, gated_output=True, **norm)
-            return small_linear.small_linear_triton(gated, ffn.w2.weight, residual=h)
-        gate_up = small_linear.small_linear_triton(h, ffn.w13.weight, **norm)
-        return small_linear.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
-
 
 class LlamaModel(nn.Module):
     """The decoder. ``forward`` returns hidden states; ``compute_logits`` the vocab scores."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, runtime: Runtime):
         super().__init__()
         self.config = config
+        ops = self.ops = runtime.ops
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # Batch-1 decode reads every weight for one row: the fused small-row block, where the
+        # kernels have it (its prologue-fused projections take no bias).
+        self.one_row = ops.fuses_one_row and not config.attention_bias
+
+    @staticmethod
+    def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The checkpoint this model loads, which ``weights.iter_weights`` validates a source against."""
+        return hf_weight_shapes(config)
+
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers, which ``to_empty()`` left uninitialised."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
     def forward(
         self,
@@ -210,16 +157,11 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: k, v [pages, page_size, Hkv, Dh]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if input_ids.is_cuda:
-            rope = (positions, self.inv_freq)  # the fused kernel computes cos/sin itself
-        else:
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh // 2]
-            rope = (freqs.cos(), freqs.sin())
+        rope = self.ops.rope(positions, self.inv_freq)
         x, residual = self.tok_embeddings(input_ids), None  # [T, D]
-        if input_ids.is_cuda and input_ids.shape[0] == 1 and not self.config.attention_bias:
-            # Batch-1 decode reads every weight for one row: the fused small-row path.
+        if self.one_row and input_ids.shape[0] == 1:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x = layer.forward_one_row(x, rope, k_cache, v_cache, meta)
+                x = self.ops.block_one_row(layer, x, rope, k_cache, v_cache, meta)
             return self.norm(x)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, k_cache, v_cache, meta)
@@ -244,27 +186,38 @@ class LlamaModel(nn.Module):
             else:
                 param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
             filled.add(f"{target}@{offset}")
-        expected = {f"{t}@{o}" for t, o in (_hf_to_spark(n, c) for n in hf_weight_names(c))}
+        expected = {f"{t}@{o}" for t, o in (_hf_to_spark(n, c) for n in hf_weight_shapes(c))}
         missing = expected - filled
         if missing:
             raise ValueError(f"weights missing for {len(missing)} tensors, e.g. {sorted(missing)[0]}")
 
 
-def hf_weight_names(c: ModelConfig) -> list[str]:
-    """The HF tensor names a checkpoint of this config holds."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not c.tie_word_embeddings:
-        names.append("lm_head.weight")
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a checkpoint of ``config`` holds (Linear weights are [out, in])."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
         if c.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
         if c.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    return names
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    shapes["model.norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
 
 
 _LAYER_MAP = {

@@ -17,8 +17,9 @@ import attrs
 import cattrs
 import torch
 
-from spark.engine.config import SUPPORTED_ARCHS, ModelConfig
+from spark.engine.config import ModelConfig
 from spark.engine.errors import ModelLoadError
+from spark.engine.models import SUPPORTED_ARCHS, model_class
 from spark.engine.progress import LoadProgress
 from spark.engine.weights import dummy, gguf, hf
 
@@ -103,36 +104,16 @@ def resolve_model(
         else:
             raise ModelLoadError(path, "no such file or directory")
     if source.config.arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(source.path or "dummy", f"unsupported architecture {source.config.arch!r}")
+        raise ModelLoadError(
+            source.path or "dummy",
+            f"unsupported architecture {source.config.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})",
+        )
     return source
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor a checkpoint of ``config`` holds (Linear weights are [out, in])."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
-        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
-        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
-        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
-        if c.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
-            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
-            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
-        if c.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
-    shapes["model.norm.weight"] = (c.hidden_size,)
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    return shapes
+    """HF name -> shape of every tensor a checkpoint of ``config`` holds, as its model class says."""
+    return model_class(config.arch).weight_shapes(config)
 
 
 def check_weight_shapes(

@@ -19,9 +19,7 @@ import torch
 
 from spark.engine.config import ModelConfig, RopeScaling
 from spark.engine.errors import ModelLoadError
-
-# GGUF architecture -> Spark arch. Mistral GGUFs say "llama": same block.
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+from spark.engine.models import GGUF_ARCHS
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -116,9 +114,9 @@ def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
     """
     reader = open_gguf(path)
     gguf_arch = _meta(reader, path, "general.architecture")
-    if gguf_arch not in _ARCHS:
-        raise ModelLoadError(path, f"unsupported architecture {gguf_arch!r} (supported GGUF archs: {', '.join(_ARCHS)})")
-    arch = _ARCHS[gguf_arch]
+    if gguf_arch not in GGUF_ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {gguf_arch!r} (supported GGUF archs: {', '.join(GGUF_ARCHS)})")
+    arch = GGUF_ARCHS[gguf_arch]
 
     def meta(key: str, default: Any = ...) -> Any:
         return _meta(reader, path, f"{gguf_arch}.{key}", default)
@@ -154,7 +152,7 @@ def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
             eos.append(int(tok))
     bos = _meta(reader, path, "tokenizer.ggml.bos_token_id", None)
     return ModelConfig(
-        arch=arch,
+        arch=arch.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -168,7 +166,7 @@ def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
         max_position_embeddings=int(meta("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch.qk_norm,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
     )

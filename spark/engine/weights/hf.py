@@ -12,8 +12,8 @@ import torch
 
 from spark.engine.config import ModelConfig, RopeScaling
 from spark.engine.errors import ModelLoadError
+from spark.engine.models import HF_MODEL_TYPES
 
-_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 INDEX = "model.safetensors.index.json"
 
 
@@ -67,8 +67,9 @@ def config_from_hf(directory: str | os.PathLike) -> ModelConfig:
     path = directory / "config.json"
     cfg = _read_json(path)
     model_type = cfg.get("model_type")
-    if model_type not in _ARCHS:
-        raise ModelLoadError(path, f"unsupported model_type {model_type!r} (supported: {', '.join(_ARCHS)})")
+    if model_type not in HF_MODEL_TYPES:
+        raise ModelLoadError(path, f"unsupported model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
+    arch = HF_MODEL_TYPES[model_type]
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(path, f"unsupported hidden_act {cfg['hidden_act']!r}")
     if cfg.get("mlp_bias"):
@@ -85,7 +86,7 @@ def config_from_hf(directory: str | os.PathLike) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         return ModelConfig(
-            arch=_ARCHS[model_type],
+            arch=arch.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -99,8 +100,8 @@ def config_from_hf(directory: str | os.PathLike) -> ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; the others say so in the config.
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=arch.attention_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(eos),
         )

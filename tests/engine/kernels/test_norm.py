@@ -16,6 +16,7 @@ from spark.engine.kernels.norm import (
     rms_norm_triton,
 )
 from spark.engine.models.llama import RMSNorm
+from spark.engine.models.ops import TorchOps
 
 EPS = 1e-5
 
@@ -32,7 +33,7 @@ def _rows(num_tokens, dim, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_matches_llama_rmsnorm(dtype):
     x, residual, weight = _rows(5, 576, dtype)
-    module = RMSNorm(576, EPS).to(dtype)
+    module = RMSNorm(576, EPS, TorchOps()).to(dtype)
     module.weight.data.copy_(weight)
     with torch.no_grad():
         assert torch.equal(rms_norm_reference(x, weight, EPS), module(x))

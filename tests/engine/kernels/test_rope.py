@@ -12,7 +12,8 @@ from spark.engine.kernels.rope import (
     rope_and_write_kv_reference,
     rope_and_write_kv_triton,
 )
-from spark.engine.models import llama
+from spark.engine.attention import apply_rope
+from spark.engine.models.ops import TorchOps
 from tests.engine.kernels.conftest import assert_bf16_nearly_exact
 
 
@@ -37,10 +38,9 @@ def test_reference_matches_llama_apply_rope(dtype):
     q, k, _ = _qkv(POSITIONS, 9, 3, 64, dtype)
     inv_freq = _inv_freq(64)
     # The model's way: cos/sin once per step, then one rotation per tensor.
-    freqs = POSITIONS.float()[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = TorchOps.rope(POSITIONS, inv_freq)
     q_out, k_out = apply_rope_reference(q, k, POSITIONS, inv_freq)
-    assert torch.equal(q_out, llama.apply_rope(q, cos, sin)) and torch.equal(k_out, llama.apply_rope(k, cos, sin))
+    assert torch.equal(q_out, apply_rope(q, cos, sin)) and torch.equal(k_out, apply_rope(k, cos, sin))
 
 
 def test_reference_rotates_by_position():

@@ -1,0 +1,134 @@
+"""Kernel choice, made once: the ops a model's math calls, as torch references or Triton kernels.
+
+A model holds one ``Ops`` (from its ``Runtime``) and calls ``self.ops.rms_norm(...)``
+where it used to ask each tensor ``x.is_cuda``. ``TorchOps`` spells out the math
+(the references every kernel is tested against); ``TritonOps`` is the same math in
+the GPU kernels, with the fusions that make decode fast: an add fused into the next
+norm, projections of 33-64 rows in the small-row kernel (maybe split over K), and
+for a one-row step the whole dense block in four small-row launches.
+
+The ops are plain functions bound on the class, so that a call costs what the old
+``if x.is_cuda`` branch did: no wrapper frame on the hot path. Kernels are reached
+through their modules at call time (``small_linear.small_linear_triton``), so a
+benchmark that swaps a kernel module's function still reaches every caller.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+from spark.engine import attention
+from spark.engine.kernels import activation, norm, small_linear
+
+if TYPE_CHECKING:
+    from spark.engine.attention import AttentionMetadata
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # what ``Ops.rope`` makes once a step and every layer's ``attend`` reads
+
+
+class Ops(Protocol):
+    """What a model's math may call. Shapes: x [T, D]; q [T, H, Dh]; k, v [T, Hkv, Dh]."""
+
+    fuses_one_row: bool  # has ``block_one_row``: the dense block for a one-token step
+
+    def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); x may be ``project``'s split-K partials, summed here."""
+
+    def project(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """``linear(x)``, or its split-K partials [S, T, N]: only ever fed to ``add_rms_norm``."""
+
+    def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Rotate q and k, write k, v into the cache, attend over it. Returns [T, H, Dh]."""
+
+    def swiglu(self, x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.Tensor:
+        """``w2(silu(gate) * up)`` with ``gate, up = w13(x)`` (w13's rows: gate, then up); may be partials."""
+
+
+def _rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh // 2]
+    return freqs.cos(), freqs.sin()
+
+
+def _linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    return linear(x)
+
+
+def _swiglu_reference(x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.Tensor:
+    gate, up = w13(x).split(w13.out_features // 2, dim=-1)  # [T, I] each
+    return w2(nn.functional.silu(gate) * up)
+
+
+class TorchOps:
+    """The torch references: the CPU's path, and the ground truth of every kernel."""
+
+    fuses_one_row = False
+    rope = staticmethod(_rope_cos_sin)
+    rms_norm = staticmethod(norm.rms_norm_reference)
+    add_rms_norm = staticmethod(norm.add_rms_norm_reference)
+    project = staticmethod(_linear)
+    attend = staticmethod(attention.rope_attend_reference)
+    swiglu = staticmethod(_swiglu_reference)
+
+
+def _rope_positions(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
+    return positions, inv_freq  # the fused kernels compute cos/sin themselves
+
+
+def _project_triton(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    # For a decode batch of 33-64 rows of a wide model the small-row kernel streams the
+    # weight faster than cuBLAS (kernels/small_linear.py); where it splits K the result
+    # is its fp32 partials [S, T, N], which the next add-norm sums.
+    m, k = x.shape[0], linear.in_features
+    if linear.bias is None and small_linear.beats_cublas(m, k, x.dtype):
+        split = small_linear.split_config(m, linear.out_features, k)
+        if split is not None:
+            return small_linear.small_linear_split_k_triton(x, linear.weight, split)
+        return small_linear.small_linear_triton(x, linear.weight)
+    return linear(x)
+
+
+def _swiglu_triton(x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.Tensor:
+    if small_linear.beats_cublas(x.shape[0], x.shape[1], x.dtype):
+        # The gate in the w13 product's epilogue: one launch less, the [T, 2I] product never stored.
+        return _project_triton(small_linear.small_linear_triton(x, w13.weight, gated_output=True), w2)
+    return w2(activation.silu_and_mul_triton(w13(x)))
+
+
+def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -> torch.Tensor:
+    """A dense (Llama-family) block for one token: h is the residual stream [1, D]; returns the next.
+
+    Four launches of the small-row kernel replace the two norms, the gate and the four
+    matmuls: each norm, the gate and each residual add ride along with the projection
+    next to them (see ``kernels/small_linear.py``): the gate in w13's epilogue for a wide
+    model, in w2's prologue for a small one (``gate_in_epilogue``).
+    """
+    attn, ffn = block.attention, block.feed_forward
+    qkv = small_linear.small_linear_triton(
+        h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
+    h = small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight, residual=h)
+    ffn_norm = dict(norm_weight=block.ffn_norm.weight, eps=block.ffn_norm.eps)
+    if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):
+        gated = small_linear.small_linear_triton(h, ffn.w13.weight, gated_output=True, **ffn_norm)
+        return small_linear.small_linear_triton(gated, ffn.w2.weight, residual=h)
+    gate_up = small_linear.small_linear_triton(h, ffn.w13.weight, **ffn_norm)
+    return small_linear.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
+
+
+class TritonOps:
+    """The GPU kernels, and the one-row block they make possible."""
+
+    fuses_one_row = True
+    rope = staticmethod(_rope_positions)
+    rms_norm = staticmethod(norm.rms_norm_triton)
+    add_rms_norm = staticmethod(norm.add_rms_norm_triton)
+    project = staticmethod(_project_triton)
+    attend = staticmethod(attention.rope_attend_triton)
+    swiglu = staticmethod(_swiglu_triton)
+    block_one_row = staticmethod(_block_one_row)

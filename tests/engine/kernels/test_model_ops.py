@@ -1,0 +1,90 @@
+"""The model's two kernel choices agree: TritonOps (in the interpreter) against TorchOps.
+
+Kernel choice lives in the ``Runtime`` rather than in ``x.is_cuda``, so the GPU path
+of the whole model (the fused decode attention, the mixed-step split, the one-row
+block, the 33-64-row small-linear kernel with split-K) runs on the CPU here.
+"""
+
+import os
+
+# Before anything can JIT a kernel: @triton.jit picks interpreter or compiler when it
+# runs, and spark's kernels are only decorated at their first launch.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from spark.engine.attention import AttentionMetadata, leading_single_rows
+from spark.engine.kernels import small_linear
+from spark.engine.kv_cache import KVCache
+from spark.engine.models.ops import TorchOps, TritonOps
+from spark.engine.models.runtime import Runtime, build_model
+from spark.engine.weights import iter_weights, resolve_model
+from tests.engine.kernels.conftest import dot_of_values
+
+PAGE = 4
+
+
+def _model(source, ops, dtype, num_seqs=3):
+    runtime = Runtime(torch.device("cpu"), dtype, ops)
+    net = build_model(source.config, runtime, iter_weights(source, dtype=dtype, device="cpu", progress=False))
+    return net, KVCache(source.config, 8 * num_seqs, PAGE, dtype, torch.device("cpu"))
+
+
+def _step(chunks, decode_only):
+    """(positions, meta) of a step of chunks (seq, first position, tokens); seq b owns pages 8b..8b+7."""
+    slots, qsl, lens, tables, positions = [], [0], [], [], []
+    for b, start, n in chunks:
+        table = list(range(8 * b, 8 * b + 8))
+        positions += range(start, start + n)
+        slots += [table[p // PAGE] * PAGE + p % PAGE for p in range(start, start + n)]
+        qsl.append(qsl[-1] + n)
+        lens.append(start + n)
+        tables.append(table)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+        decode_only=decode_only, max_query_len=max(n for _, _, n in chunks), num_single=leading_single_rows(qsl),
+    )
+    return torch.tensor(positions), meta
+
+
+# Prefill of two prompts; a mixed step (a decode first, then a chunk); a decode-only
+# batch (the fused rope + write + attend launch); one row (the fused one-row block).
+STEPS = [([(0, 0, 6), (1, 0, 3)], False), ([(0, 6, 1), (1, 3, 4)], False),
+         ([(0, 7, 1), (1, 7, 1), (2, 0, 1)], True), ([(1, 8, 1)], True)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_triton_ops_match_torch_ops_step_by_step(preset):
+    source = resolve_model(f"dummy:{preset}")
+    ref, ref_cache = _model(source, TorchOps(), torch.float32)
+    fused, fused_cache = _model(source, TritonOps(), torch.float32)
+    assert fused.one_row is not source.config.attention_bias  # qwen2's biases keep the unfused block
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for chunks, decode_only in STEPS:
+            positions, meta = _step(chunks, decode_only)
+            ids = torch.randint(0, source.config.vocab_size, positions.shape, generator=gen)
+            expected = ref(ids, positions, ref_cache.layers, meta)  # [T, D]
+            torch.testing.assert_close(fused(ids, positions, fused_cache.layers, meta), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_small_row_kernel_path_of_a_wide_model(bf16_rounds_to_nearest, monkeypatch):
+    """40 decode rows of a 2048-wide bf16 model: wo and w2 split over K, the gate in w13's epilogue."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot_of_values)
+    config = dict(arch="llama", vocab_size=256, hidden_size=2048, intermediate_size=2048, num_layers=1,
+                  num_heads=16, num_kv_heads=4, head_dim=128)
+    source, rows = resolve_model("dummy", dummy_config=config), 40
+    assert small_linear.beats_cublas(rows, 2048, torch.bfloat16) and small_linear.split_config(rows, 2048, 2048)
+    outs = []
+    for ops in (TorchOps(), TritonOps()):
+        net, cache = _model(source, ops, torch.bfloat16, num_seqs=rows)
+        positions, meta = _step([(b, 0, 1) for b in range(rows)], True)
+        with torch.inference_mode():
+            outs.append(net(torch.arange(rows), positions, cache.layers, meta).float())
+    expected, got = outs
+    # bf16 products summed in another order, through one block: within a couple of ulps of the largest value.
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
