@@ -34,7 +34,7 @@ from spark.actors import engine_core as core
 from spark.actors.channels import take_waiting
 from spark.actors.scheduler import remember_cancel
 from spark.actors.messages import StreamOpen, Submission, TokenBatch
-from spark.engine.page_allocator import PageAllocator
+from spark.core.page_allocator import PageAllocator
 
 log = logging.getLogger("spark.engine_process")
 

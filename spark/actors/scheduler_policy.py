@@ -25,7 +25,7 @@ from typing import Iterable
 
 import attrs
 
-from spark.engine.page_allocator import PageAllocator
+from spark.core.page_allocator import PageAllocator
 
 
 @attrs.define(eq=False)

@@ -26,8 +26,8 @@ import torch
 from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
-from spark.engine.models.llama import LlamaModel, rope_inv_freq
-from spark.engine.page_allocator import PageAllocator
+from spark.engine.models.runtime import Model, Runtime, build_model
+from spark.core.page_allocator import PageAllocator
 from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
@@ -135,17 +135,12 @@ class Engine:
         from spark.engine.weights import iter_weights, resolve_model
 
         source = resolve_model(model, dummy_config=dummy_config)
-        device = torch.device(device) if device is not None else _default_device()
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        runtime = Runtime.for_device(device if device is not None else _default_device(), dtype)
         t0 = time.perf_counter()
-        with torch.device("meta"):
-            net = LlamaModel(source.config)
-        net = net.to_empty(device=device).to(dtype)
-        net.inv_freq = rope_inv_freq(source.config).to(device)  # to_empty() left the buffer uninitialised
-        net.load_weights(iter_weights(source, dtype=dtype, device=device, progress=progress))
-        net.eval()
+        weights = iter_weights(source, dtype=runtime.dtype, device=runtime.device, progress=progress)
+        net = build_model(source.config, runtime, weights)
         tokenizer = _load_tokenizer(source)
-        log.info("loaded %s (%s) on %s in %.1fs", source.path or "dummy", source.kind, device, time.perf_counter() - t0)
+        log.info("loaded %s (%s) on %s in %.1fs", source.path or "dummy", source.kind, runtime.device, time.perf_counter() - t0)
         return cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
 
     def _default_kv_budget(self) -> int:

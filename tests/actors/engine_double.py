@@ -23,7 +23,7 @@ import trio
 from spark.actors.gpu_runner import apply_work
 from spark.actors.messages import StepWork
 from spark.engine.engine import StepPlan, TokenOutput
-from spark.engine.page_allocator import PageAllocator
+from spark.core.page_allocator import PageAllocator
 from spark.engine.sampling import SamplingParams
 
 

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from spark.engine.page_allocator import OutOfPages, PageAllocator
+from spark.core.page_allocator import OutOfPages, PageAllocator
 
 
 def test_importing_it_needs_no_torch():
-    code = "import sys, spark.engine.page_allocator; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, spark.core.page_allocator; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

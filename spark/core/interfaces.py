@@ -1,0 +1,55 @@
+"""What the core asks of an engine, and what the layers above hold of a loaded one.
+
+Two protocols, because two kinds of object are loaded: an ``Engine`` in this process
+(it steps: the core drives it directly) and an ``EngineProcess`` (its core runs in the
+child; here only its facts and ``close``). Both are ``LoadedEngine``; only the first is a
+``StepEngine``.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Protocol, Sequence
+
+from spark.core.plan import StepPlan, TokenOutput
+
+
+class Tokenizer(Protocol):
+    """The tokenizer surface the layers above the engine use (``spark.engine.tokenizer.Tokenizer``)."""
+
+    bos_token_id: int | None
+    eos_token_ids: Sequence[int]
+
+    def encode(self, text: str, *args, **kwargs) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], *args, **kwargs) -> str: ...
+
+
+class LoadedEngine(Protocol):
+    """A loaded model, wherever it steps: the facts admission needs, and ``close``."""
+
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
+    num_pages: int  # KV pages in the pool, the scratch page included
+    page_size: int  # tokens per page
+
+    def close(self) -> None:
+        """Free the model's memory (a profile switch, or shutdown); unusable after."""
+
+
+class StepEngine(LoadedEngine, Protocol):
+    """An engine the core drives: sequences in, one planned step at a time, tokens out.
+
+    ``launch`` queues a step and returns; ``collect`` waits for the oldest launched
+    step. Keeping two launched lets the host prepare step N+1 while the device runs N.
+    """
+
+    def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], params) -> None: ...
+
+    def remove_sequence(self, seq_id: Hashable) -> None: ...
+
+    def reset_computed(self, seq_id: Hashable) -> None: ...
+
+    def launch(self, plan: StepPlan) -> None: ...
+
+    def collect(self) -> list[TokenOutput]: ...

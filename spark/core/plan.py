@@ -1,0 +1,67 @@
+"""The plan of one engine step, and what the step gives back. One name each.
+
+A ``StepPlan`` is everything the engine needs to run a step: the sequences to forget,
+to recompute from scratch (preempted) and to register, then the ``Chunk``s to
+compute. A chunk is "compute ``num_tokens`` more tokens of this sequence, held in
+these pages"; prefill, chunked prefill and decode are one case of it, and a
+sequence whose computed tokens reach its known tokens samples its next token.
+
+Room for what comes next: a chunk already counts any number of tokens, so verifying
+speculated tokens is a chunk over more than one new token; a per-row token mask
+(grammar) and a rank's slice of a group (tensor parallelism) are more fields of
+``Chunk`` and ``StepPlan``, with defaults, read by the engine alone.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import attrs
+
+
+@attrs.frozen
+class Chunk:
+    """Compute ``num_tokens`` more tokens of ``seq_id``, whose pages are ``block_table``."""
+
+    seq_id: Hashable
+    num_tokens: int
+    block_table: tuple[int, ...]
+
+
+@attrs.frozen
+class NewSequence:
+    """A sequence for the engine to register before the step: its prompt and sampling parameters."""
+
+    seq_id: Hashable
+    prompt_ids: tuple[int, ...]
+    params: object  # spark.engine.sampling.SamplingParams (kept opaque: the core never reads it)
+
+
+@attrs.frozen
+class StepPlan:
+    """One step: forget ``removed``, recompute ``reset`` from scratch, register ``added``, compute ``chunks``."""
+
+    chunks: tuple[Chunk, ...]
+    added: tuple[NewSequence, ...] = ()
+    removed: tuple[Hashable, ...] = ()  # ended (finished, cancelled, failed)
+    reset: tuple[Hashable, ...] = ()  # preempted: their pages are gone
+
+
+@attrs.frozen
+class TokenOutput:
+    """A token sampled for ``seq_id`` in a step."""
+
+    seq_id: Hashable
+    token_id: int
+    logprob: float | None = None  # of the chosen token, under the model's raw distribution
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    finish_reason: str | None = None  # "stop" | "length" once the sequence is done
+
+
+@attrs.frozen
+class StepResult:
+    """What a launched step gave: its tokens, how long it took, or why it failed."""
+
+    outputs: tuple[TokenOutput, ...]
+    seconds: float  # device time of the step
+    error: str | None = None  # the step failed; every sequence in it fails
