@@ -31,7 +31,7 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
     """The server's config with the recipe's model, name, context, scheduler, parsers and defaults."""
     sched, parsers = recipe.scheduler, recipe.parsers
     changes = {
-        "model": recipe.model if recipe.model != "dummy" else "dummy",
+        "model": recipe.model,
         "served_name": recipe.served_name,
         "max_model_len": recipe.context.default or base.max_model_len,
         "scheduler": sched.policy or base.scheduler,
@@ -39,10 +39,9 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
         "max_prefill_tokens": sched.max_prefill_tokens or base.max_prefill_tokens,
         "default_max_tokens": recipe.sampling.max_tokens or base.default_max_tokens,
     }
-    names = {f.name for f in attrs.fields(ServeConfig)}
-    if parsers.tool_call is not None and "tool_call_parser" in names:
+    if parsers.tool_call is not None:
         changes["tool_call_parser"] = parsers.tool_call
-    if parsers.reasoning is not None and "reasoning_parser" in names:
+    if parsers.reasoning is not None:
         changes["reasoning_parser"] = parsers.reasoning
     return attrs.evolve(base, **changes)
 
