@@ -13,6 +13,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+
     parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")
     srv.add_argument("--recipes", default=None, help="the recipes directory (default with --recipe: recipes/)")
     srv.add_argument("--admin-key", default=None, help="Bearer key of the admin API (/api/inference)")
-    srv.add_argument("--tool-call-parser", choices=("auto", "none", "hermes", "qwen3_coder", "minimax"), default=None,
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_CHOICES, default=None,
                      help="tool-call format of the model's output (default auto: from the chat template)")
-    srv.add_argument("--reasoning-parser", choices=("auto", "none", "think"), default=None,
+    srv.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default=None,
                      help="split <think> reasoning off the answer (default auto: when the model has <think>)")
     srv.add_argument("--max-thinking-budget", type=int, default=None,
                      help="reasoning tokens per request at most (default: unlimited)")

@@ -13,9 +13,13 @@ from typing import Mapping
 import attrs
 import cattrs
 
+from spark import parsers
+
 POLICIES = ("fifo", "slai")
-TOOL_CALL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "minimax")  # spark.parsers.TOOL_PARSERS + auto/none
-REASONING_PARSERS = ("auto", "none", "think")
+# The values of the parser settings (flags, SPARK_* variables, recipes): the registry's names, plus
+# "auto" (the format the chat template shows) and "none" (no parsing).
+TOOL_CALL_PARSER_CHOICES = ("auto", "none", *parsers.TOOL_PARSERS)
+REASONING_PARSER_CHOICES = ("auto", "none", *parsers.REASONING_PARSERS)
 
 
 @attrs.frozen
@@ -55,8 +59,8 @@ class ServeConfig:
     # Chat output parsing (spark.http.turn): "auto" (or None) detects the tool-call format from the
     # chat template; "auto" reasoning is on when the template or the vocabulary has <think>.
     tool_call_parser: str = attrs.field(default="auto", validator=attrs.validators.optional(
-        attrs.validators.in_(TOOL_CALL_PARSERS)))
-    reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(REASONING_PARSERS))
+        attrs.validators.in_(TOOL_CALL_PARSER_CHOICES)))
+    reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(REASONING_PARSER_CHOICES))
     max_thinking_budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(0)))  # reasoning tokens per request at most; None: unlimited
     disable_thinking: bool = False  # thinking off unless a request turns it on

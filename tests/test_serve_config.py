@@ -16,3 +16,26 @@ def test_a_bad_scheduler_depth_names_the_variable(value):
     with pytest.raises(ValueError, match="scheduler_depth"):
         ServeConfig.from_env({"SPARK_SCHEDULER_DEPTH": value})
 
+
+
+def test_parser_choices_are_the_registrys_names():
+    from spark import parsers
+    from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+
+    assert TOOL_CALL_PARSER_CHOICES == ("auto", "none", *parsers.TOOL_PARSERS)
+    assert REASONING_PARSER_CHOICES == ("auto", "none", *parsers.REASONING_PARSERS)
+    for name in parsers.TOOL_PARSERS:
+        assert ServeConfig.from_env({"SPARK_TOOL_CALL_PARSER": name}).tool_call_parser == name
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServeConfig.from_env({"SPARK_TOOL_CALL_PARSER": "json"})
+
+
+def test_the_cli_offers_the_registrys_parser_names(capsys):
+    from spark.cli import main
+    from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    usage = capsys.readouterr().out
+    assert "{" + ",".join(TOOL_CALL_PARSER_CHOICES) + "}" in usage
+    assert "{" + ",".join(REASONING_PARSER_CHOICES) + "}" in usage

@@ -207,12 +207,11 @@ def _dummy_problems(dummy) -> list[tuple[str, str]]:
 def _parser_problems(parsers) -> list[tuple[str, str]]:
     if not isinstance(parsers, dict):
         return []
-    from spark.parsers import REASONING_PARSERS, TOOL_PARSERS
+    from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
 
     out = []
-    for key, known in (("tool_call", TOOL_PARSERS), ("reasoning", REASONING_PARSERS)):
+    for key, choices in (("tool_call", TOOL_CALL_PARSER_CHOICES), ("reasoning", REASONING_PARSER_CHOICES)):
         value = parsers.get(key)
-        choices = ("auto", "none", *known)
         if isinstance(value, str) and value not in choices:
             out.append((f"$.parsers.{key}", f"unknown parser {value!r}; known: {', '.join(choices)}"))
     return out

@@ -8,6 +8,7 @@ import re
 
 from spark.recipes.loading import DRAFTS
 from spark.recipes.schema import ENGINES
+from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
 
 _SPARK = """\
 # Draft: edit it and run `spark recipe check`; to serve it by name, set lifecycle: testing and move it
@@ -26,8 +27,8 @@ scheduler:
   policy: slai                      # slai | fifo
   max_batch_size: 64
 parsers:
-  tool_call: auto                   # auto | none | hermes | qwen3_coder | minimax
-  reasoning: auto                   # auto | none | think
+  tool_call: auto                   # {tool_call_choices}
+  reasoning: auto                   # {reasoning_choices}
 sampling:
   temperature: 0.7
 """
@@ -74,5 +75,7 @@ def scaffold(spec: str, engine: str, directory: str | os.PathLike, *, force: boo
     template = _SPARK if engine == "spark" else _UPSTREAM
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(template.format(id=recipe_id, name=f"{lab}/{slug}", served=served, lab=lab, slug=slug,
-                                    directory=pathlib.Path(directory).name or directory))
+                                    directory=pathlib.Path(directory).name or directory,
+                                    tool_call_choices=" | ".join(TOOL_CALL_PARSER_CHOICES),
+                                    reasoning_choices=" | ".join(REASONING_PARSER_CHOICES)))
     return path

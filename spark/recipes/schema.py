@@ -38,8 +38,8 @@ class Scheduler:
 
 @attrs.frozen
 class Parsers:
-    tool_call: str | None = None  # "auto", "none" or one of spark.parsers.TOOL_PARSERS
-    reasoning: str | None = None  # "auto", "none" or one of spark.parsers.REASONING_PARSERS
+    tool_call: str | None = None  # one of spark.serve_config.TOOL_CALL_PARSER_CHOICES (checked on loading)
+    reasoning: str | None = None  # one of spark.serve_config.REASONING_PARSER_CHOICES (checked on loading)
 
 
 @attrs.frozen

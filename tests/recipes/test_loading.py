@@ -10,7 +10,7 @@ import pytest
 from spark.cli import main
 from spark.recipes import implicit_recipe, load_recipes, project_recipes_dir, recipe_config, unavailable_reason
 from spark.recipes.scaffold import scaffold
-from spark.serve_config import ServeConfig
+from spark.serve_config import TOOL_CALL_PARSER_CHOICES, ServeConfig
 from tests.recipes.malformed import MALFORMED, VALID, write_malformed
 
 
@@ -78,6 +78,7 @@ def test_scaffold_writes_drafts_that_check(tmp_path, capsys):
     spark_path = scaffold("Qwen/Qwen3-8B", "spark", tmp_path)
     upstream_path = scaffold("meta-llama/Llama-3.3-70B-Instruct", "upstream", tmp_path)
     assert spark_path == tmp_path / "drafts" / "qwen-qwen3-8b.yaml"
+    assert "# " + " | ".join(TOOL_CALL_PARSER_CHOICES) in spark_path.read_text()  # the registry's names
     catalog = load_recipes(tmp_path)
     assert catalog.problems == ()
     assert {r.id: r.engine for r in catalog.recipes} == {"qwen-qwen3-8b": "spark",
