@@ -21,7 +21,7 @@ import trio
 from quart import Blueprint, Response, current_app, g, request
 
 from spark.actors.messages import GenerateRequest
-from spark.compaction import answer_reserve, prepare_fitting_turn
+from spark.http.compaction import answer_reserve, prepare_fitting_turn
 from spark.engine.sampling import SamplingParams
 from spark.http.errors import ApiError
 from spark.http.formatting import SSE_HEADERS

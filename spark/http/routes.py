@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, current_app, g, request
 
 from spark.actors.system import SubmitError
-from spark.compaction import answer_reserve, prepare_fitting_turn
+from spark.http.compaction import answer_reserve, prepare_fitting_turn
 from spark.http import formatting as fmt
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
@@ -79,7 +79,7 @@ async def chat_completions():
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = base_params(req, limits, max_tokens=max_tokens, logprobs=logprobs_k(req))
     writes = chat_format(system.config, system.tokenizer)  # the served model's tool-call and reasoning format
-    kwargs = chat_turn(req)  # compacted to leave room for the answer (spark.compaction): stage in a header
+    kwargs = chat_turn(req)  # compacted to leave room for the answer (spark.http.compaction): stage in a header
     reserve = answer_reserve(limits.max_model_len, max_tokens, limits.default_max_tokens)
     turn, stage = await trio.to_thread.run_sync(functools.partial(
         prepare_fitting_turn, system.tokenizer, writes, kwargs.pop("messages"), max_model_len=limits.max_model_len,

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from spark.compaction import STAGES, ContextOverflow, compact_messages
+from spark.http.compaction import STAGES, ContextOverflow, compact_messages
 
 BUDGET = 512  # tokens: the unit tests' "context"
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+from spark.http.errors import ApiError
+from spark.http.turn import ChatFormat, PreparedTurn, prepare_turn
+
 STAGES = ("truncate_tool_results", "tool_result_pointers", "drop_oldest_turns", "keep_last_messages")
 KEEP_HEAD_CHARS = 240  # stage 2 keeps this much of a tool result's start...
 KEEP_TAIL_CHARS = 80  # ...and of its end
@@ -76,8 +79,8 @@ def answer_reserve(max_model_len: int, max_tokens: int | None, default_max_token
     return max(1, min(max_tokens or default_max_tokens, max_model_len // ANSWER_SHARE))
 
 
-def prepare_fitting_turn(tokenizer, fmt, messages: Sequence[dict], *, max_model_len: int, reserve: int,
-                         **turn_kwargs):
+def prepare_fitting_turn(tokenizer, fmt: ChatFormat, messages: Sequence[dict], *, max_model_len: int, reserve: int,
+                         **turn_kwargs) -> tuple[PreparedTurn, str | None]:
     """``spark.http.turn.prepare_turn``, compacting ``messages`` when prompt + ``reserve`` exceeds the context.
 
     When no stage leaves ``reserve`` tokens free, a prompt that leaves at least one is still
@@ -93,9 +96,6 @@ def prepare_fitting_turn(tokenizer, fmt, messages: Sequence[dict], *, max_model_
       ApiError: 400 ``context_length_exceeded`` when even the last stage leaves no room;
         any error of ``prepare_turn``.
     """
-    from spark.http.errors import ApiError  # imported here: spark.http's routes import this module
-    from spark.http.turn import prepare_turn
-
     prepare = functools.partial(prepare_turn, tokenizer, fmt, **turn_kwargs)
     turn = prepare(list(messages))
     for need in dict.fromkeys((reserve, 1)):
@@ -112,7 +112,7 @@ def prepare_fitting_turn(tokenizer, fmt, messages: Sequence[dict], *, max_model_
                    param="messages", code="context_length_exceeded")
 
 
-def _prompt_fits(limit: int, turn) -> bool:
+def _prompt_fits(limit: int, turn: PreparedTurn) -> bool:
     return len(turn.prompt.prompt_ids) <= limit
 
 
