@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from spark.engine.engine import Engine, ScheduledChunk, StepPlan
+from spark.engine.engine import Engine
+from spark.core.plan import Chunk, StepPlan
 from spark.engine.sampling import SamplingParams
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -56,7 +57,7 @@ def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple
         for sid, n in sizes.items():
             done = engine.num_tokens(sid) - engine.num_uncomputed(sid) + n
             table = allocator.append(sid, done) if allocator.has(sid) else allocator.allocate(sid, done)
-            chunks.append(ScheduledChunk(sid, n, table))
+            chunks.append(Chunk(sid, n, table))
         for out in engine.step(StepPlan(tuple(chunks))):
             if out.finish_reason is not None:
                 running.remove(out.seq_id)

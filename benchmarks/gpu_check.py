@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from spark.engine.offline import generate
 from spark.engine.engine import Engine
 from spark.engine.kernels import activation, kv_write, paged_attention as pa, rope
 from spark.engine.sampling import SamplingParams
@@ -241,7 +242,7 @@ def check_engine(rows: list, preset: str, batches: tuple[int, ...], new_tokens: 
     for batch in batches:
         prompts = [torch.randint(0, engine.config.vocab_size, (128,), generator=gen).tolist() for _ in range(batch)]
         two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        engine.generate(prompts[:1], two)  # warm-up (Triton compile)
+        generate(engine, prompts[:1], two)  # warm-up (Triton compile)
         fast_logits = _second_step_logits(engine, prompts, two)
         originals = pa.paged_decode_attention_triton, pa.paged_decode_attention_rope_triton
         pa.paged_decode_attention_triton = lambda q, kc, vc, bt, sl, scale: pa.paged_decode_attention_reference(q, kc, vc, bt, sl, scale)
@@ -255,7 +256,7 @@ def check_engine(rows: list, preset: str, batches: tuple[int, ...], new_tokens: 
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = engine.generate(prompts, params)
+        out = generate(engine, prompts, params)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         total = sum(len(o) for o in out)
@@ -272,7 +273,7 @@ def _second_step_logits(engine, prompts, params) -> torch.Tensor:
     compute = engine.model.compute_logits
     engine.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
     try:
-        engine.generate(prompts, params)
+        generate(engine, prompts, params)
     finally:
         engine.model.compute_logits = compute
     return captured[-1].float()
@@ -294,8 +295,8 @@ def check_gpu_vs_cpu(rows: list) -> None:
     # A batch of 4, then batch 1 (the fused small-row path); plain greedy rows (the graphs'
     # own argmax, fed from their ring), then the mixed batch.
     for group, p in ((prompts, params), (prompts[1:2], params), (prompts, mixed)):
-        a = [[o.token_id for o in r] for r in cpu.generate(group, p)]
-        b = [[o.token_id for o in r] for r in gpu.generate(group, p)]
+        a = [[o.token_id for o in r] for r in generate(cpu, group, p)]
+        b = [[o.token_id for o in r] for r in generate(gpu, group, p)]
         same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
         rows.append({"check": "gpu_vs_cpu_fp32_greedy" if p is params else "gpu_vs_cpu_fp32_mixed",
                      "model": "smollm2-135m (dummy, fp32)", "batch": len(group),

@@ -72,16 +72,17 @@ def timed_engine(step_s: float, max_model_len: int, num_pages: int):
     return engine
 
 
-async def wall_clock_scheduler(step_s: float, vocab: int, policy, admissions, cancels, to_runner, from_runner,
-                               to_streamer, metrics, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Stands in for ``spark.actors.scheduler.run`` with ``--pipeline ideal``.
+async def wall_clock_host(step_s: float, vocab: int, transport, config, admissions, cancels, to_streamer, metrics,
+                          *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Stands in for ``spark.actors.host.run_host`` (the core and its loop) with ``--pipeline ideal``.
 
     Every running sequence gets a token each ``step_s`` of wall time, whether or not this
     event loop kept up: steps owed are sent at once, as from an engine that never waits
     for the loop. So the HTTP side (streamer, streams, SSE, hypercorn) is measured alone.
     """
-    from spark.actors.messages import StreamOpen, TokenBatch
-    from spark.engine.engine import TokenOutput
+    from spark.actors.messages import StreamOpen
+    from spark.core.events import TokenBatch
+    from spark.core.plan import TokenOutput
 
     running: dict[str, list[int]] = {}  # request id -> [tokens made, max_tokens]
 
@@ -89,7 +90,7 @@ async def wall_clock_scheduler(step_s: float, vocab: int, policy, admissions, ca
         running[sub.request.request_id] = [0, sub.request.params.max_tokens]
         await to_streamer.send(StreamOpen(sub))
 
-    async with admissions, cancels, to_runner, from_runner, to_streamer:
+    async with admissions, cancels, to_streamer:
         task_status.started()
         due = trio.current_time()
         while True:
@@ -135,9 +136,9 @@ def serve(args) -> None:
                          max_prefill_tokens=args.clients * args.prompt, tbt_deadline_ms=10_000)
     run = functools.partial(trio.run, functools.partial(serve_async, config, engine=engine, settle_gc=True))
     if args.pipeline == "ideal":
-        from spark.actors import scheduler
+        from spark.actors import system
 
-        scheduler.run = functools.partial(wall_clock_scheduler, args.step_ms / 1000, engine.vocab_size)
+        system.run_host = functools.partial(wall_clock_host, args.step_ms / 1000, engine.vocab_size)
     if not args.profile:
         run()
         return
@@ -167,7 +168,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--load-procs", type=int, default=2)
     ap.add_argument("--pipeline", choices=("spark", "ideal"), default="spark",
-                    help="spark: the real scheduler and GPU runner around the timed double; ideal: tokens on a "
+                    help="spark: the real core loop around the timed double; ideal: tokens on a "
                          "wall clock, as if the engine never waited for the event loop")
     ap.add_argument("--profile", default=None, help="cProfile the server into this file")
     ap.add_argument("--out", default="http_overhead.json")

@@ -63,7 +63,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
 
 def spark_decode(engine, batch: int, reps: int) -> float:
     """Median decode tokens/s of ``batch`` sequences over NEW tokens (prefill not timed)."""
-    from spark.engine.engine import ScheduledChunk, StepPlan
+    from spark.core.plan import Chunk, StepPlan
     from spark.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -78,7 +78,7 @@ def spark_decode(engine, batch: int, reps: int) -> float:
         per_step = max(1, 8192 // PROMPT)
         for start in range(0, batch, per_step):
             group = ids[start:start + per_step]
-            engine.step(StepPlan(tuple(ScheduledChunk(s, PROMPT, alloc.allocate(s, PROMPT)) for s in group)))
+            engine.step(StepPlan(tuple(Chunk(s, PROMPT, alloc.allocate(s, PROMPT)) for s in group)))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         tokens, launched = 0, 0
@@ -86,7 +86,7 @@ def spark_decode(engine, batch: int, reps: int) -> float:
         while live or launched:
             # Step N+1 is launched before step N's tokens are read back, as the server does.
             if live and launched < 2:
-                chunks = tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
+                chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
                 engine.launch(StepPlan(chunks))
                 launched += 1
                 if launched < 2:

@@ -34,7 +34,8 @@ def family(name: str) -> str:
 def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from spark.engine.engine import Engine, ScheduledChunk, StepPlan
+    from spark.engine.engine import Engine
+    from spark.core.plan import Chunk, StepPlan
     from spark.engine.sampling import SamplingParams
 
     engine = Engine.load(model, device="cuda", progress=False, max_model_len=context + 64,
@@ -48,10 +49,10 @@ def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
     ids = [("p", i) for i in range(batch)]
     for sid in ids:
         engine.add_sequence(sid, torch.randint(0, engine.vocab_size, (context,), generator=gen).tolist(), params)
-        engine.step(StepPlan((ScheduledChunk(sid, context, alloc.allocate(sid, context)),)))
+        engine.step(StepPlan((Chunk(sid, context, alloc.allocate(sid, context)),)))
 
     def decode() -> None:
-        engine.step(StepPlan(tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in ids)))
+        engine.step(StepPlan(tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in ids)))
 
     decode()
     torch.cuda.synchronize()

@@ -11,7 +11,7 @@
    ``--new`` greedy tokens, no EOS stop. Per request: time to first token and
    the gaps between content chunks (ITL); tokens come from the usage chunk, so
    a chunk may carry several (``tokens_per_chunk``).
-3. Stops the server, then runs the offline engine (``Engine.generate`` with
+3. Stops the server, then runs the offline engine (``spark.engine.offline.generate`` with
    the same batch limit and CUDA graphs) on the same prompts.
 Prints a table; writes the serving entry as JSON.
 """
@@ -273,16 +273,17 @@ def offline(model: str, prompts: list[list[int]], new: int, batch: int) -> float
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     from spark.engine.engine import Engine
+    from spark.engine.offline import generate
     from spark.engine.sampling import SamplingParams
 
     engine = Engine.load(model, progress=False, max_model_len=len(prompts[0]) + new + 16)
     if engine.enable_cuda_graphs(batch):
         engine.graphs.capture_all()
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    engine.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    generate(engine, prompts[:batch], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sync()
     t0 = time.perf_counter()
-    out = engine.generate(prompts, params, max_batch_size=batch, max_prefill_tokens=8192)
+    out = generate(engine, prompts, params, max_batch_size=batch, max_prefill_tokens=8192)
     sync()
     return sum(len(o) for o in out) / (time.perf_counter() - t0)
 

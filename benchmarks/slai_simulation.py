@@ -1,4 +1,4 @@
-"""SLAI vs FIFO scheduling, simulated: the real actors over an engine double on a mock clock.
+"""SLAI vs FIFO scheduling, simulated: the real core over an engine double on a fake clock.
 
 A step takes ``5 ms + 0.25 ms * tokens`` of simulated time. Eight streams
 decode long outputs while long prompts (1500-2000 tokens) keep arriving about
@@ -6,7 +6,7 @@ every 300 ms. FIFO gives each step up to ``max_prefill_tokens`` (2048) prompt
 tokens, so a running stream waits for a whole long prefill between two tokens;
 SLAI cuts prefills to what fits before the tightest time-between-tokens
 deadline (100 ms). We measure the gaps between consecutive tokens of the eight
-streams (as their pieces arrive) and the time to first token of the long
+streams (as the core collects them) and the time to first token of the long
 prompts. ``tests/actors/test_slai_simulation.py`` runs the same scenario.
 
     python benchmarks/slai_simulation.py [--long-prompts 12] [--interval 0.3] [--seed 0]
@@ -25,14 +25,12 @@ if __package__ in (None, ""):  # run as a script: the repo root holds spark/ and
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attrs
-import trio
-import trio.testing
 
-from spark.actors.messages import GenerateRequest
-from spark.actors.system import open_system
+from spark.actors.host import new_core
+from spark.core.events import TokenBatch
 from spark.engine.sampling import SamplingParams
 from spark.serve_config import ServeConfig
-from tests.actors.engine_double import EngineDouble, simulated_executor
+from tests.actors.engine_double import FakeClock, SimulatedEngine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "slai-simulation.json"
 
@@ -81,61 +79,59 @@ def percentile(values, q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-async def simulate(policy: str, scenario: Scenario = Scenario()) -> Result:
-    """Run ``scenario`` under ``policy`` ("fifo" or "slai"); needs a ``MockClock`` (autojump) to be quick.
+def run(policy: str, scenario: Scenario = Scenario()) -> Result:
+    """Run ``scenario`` under ``policy`` ("fifo" or "slai"), in a fraction of a second of real time.
 
     Returns:
         The token gaps of the streams and the TTFTs of the long prompts.
     """
-    rng = random.Random(scenario.seed)
-    engine = EngineDouble(num_pages=1 + 4096, page_size=16, max_model_len=1 << 16)
+    clock = FakeClock()
+    engine = SimulatedEngine(clock, base=scenario.step_base, per_token=scenario.step_per_token,
+                             num_pages=1 + 4096, page_size=16, max_model_len=1 << 16)
     config = ServeConfig(
         scheduler=policy, max_prefill_tokens=scenario.max_prefill_tokens,
         tbt_deadline_ms=1000 * scenario.tbt_deadline, max_batch_size=64, max_waiting=256,
     )
-    execute = simulated_executor(engine, base=scenario.step_base, per_token=scenario.step_per_token)
-    token_times: list[list[float]] = [[] for _ in range(scenario.num_streams)]
-    ttfts: list[float] = []
-    start = trio.current_time()
-    async with open_system(engine, config, execute=execute) as system:
-        async with trio.open_nursery() as streams:
-            for i in range(scenario.num_streams):
-                prompt = (1,) * scenario.stream_prompt_tokens
-                params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-                streams.start_soon(_read_stream, system, GenerateRequest(f"stream-{i}", prompt, params), token_times[i])
-            await trio.sleep(scenario.warmup)
-            window_start = trio.current_time()
-            async with trio.open_nursery() as longs:
-                for k in range(scenario.num_long_prompts):
-                    prompt = (1,) * rng.randint(*scenario.long_prompt_tokens)
-                    params = SamplingParams(temperature=0.0, max_tokens=scenario.long_max_tokens, ignore_eos=True)
-                    longs.start_soon(_time_first_token, system, GenerateRequest(f"long-{k}", prompt, params), ttfts)
-                    await trio.sleep(scenario.long_interval * rng.uniform(0.8, 1.2))
-            window_end = trio.current_time()  # every long prompt is done
-            streams.cancel_scope.cancel()
+    core = new_core(engine, config, clock=clock)
+    streams = [f"stream-{i}" for i in range(scenario.num_streams)]
+    for stream in streams:
+        core.submit(stream, (1,) * scenario.stream_prompt_tokens,
+                    SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True), clock())
+    arrivals = _arrivals(scenario)
+    submitted = {request_id: at for at, request_id, _ in arrivals}
+    token_times: dict[str, list[float]] = {s: [] for s in streams}
+    first_token: dict[str, float] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=scenario.long_max_tokens, ignore_eos=True)
+    done = set()
+    while len(done) < scenario.num_long_prompts:
+        while arrivals and arrivals[0][0] <= clock():
+            at, request_id, n = arrivals.pop(0)
+            core.submit(request_id, (1,) * n, params, at)
+        for event in core.step():
+            if isinstance(event, TokenBatch):
+                for out in event.outputs:
+                    if out.seq_id in token_times:
+                        token_times[out.seq_id].append(event.time)
+                    else:
+                        first_token.setdefault(out.seq_id, event.time)
+                        if out.finish_reason is not None:
+                            done.add(out.seq_id)
+    window_start, window_end = scenario.warmup, clock()  # every long prompt is done
     gaps = tuple(
-        b - a for times in token_times for a, b in zip(times, times[1:]) if window_start < b <= window_end
+        b - a for times in token_times.values() for a, b in zip(times, times[1:]) if window_start < b <= window_end
     )
-    return Result(policy, gaps, tuple(ttfts), engine.steps, trio.current_time() - start)
+    ttfts = tuple(first_token[r] - submitted[r] for r in sorted(first_token))
+    return Result(policy, gaps, ttfts, engine.steps, clock())
 
 
-def run(policy: str, scenario: Scenario = Scenario()) -> Result:
-    """``simulate`` under a fresh autojumping mock clock (a fraction of a second of real time)."""
-    return trio.run(simulate, policy, scenario, clock=trio.testing.MockClock(autojump_threshold=0))
-
-
-async def _read_stream(system, request: GenerateRequest, times: list[float]) -> None:
-    async with system.submit(request) as stream:
-        async for _ in stream:
-            times.append(trio.current_time())
-
-
-async def _time_first_token(system, request: GenerateRequest, ttfts: list[float]) -> None:
-    submitted = trio.current_time()
-    async with system.submit(request) as stream:
-        async for piece in stream:
-            if piece.num_output_tokens == 1:
-                ttfts.append(trio.current_time() - submitted)
+def _arrivals(scenario: Scenario) -> list[tuple[float, str, int]]:
+    """(time, id, prompt tokens) of each long prompt, in arrival order."""
+    rng = random.Random(scenario.seed)
+    out, t = [], scenario.warmup
+    for k in range(scenario.num_long_prompts):
+        out.append((t, f"long-{k}", rng.randint(*scenario.long_prompt_tokens)))
+        t += scenario.long_interval * rng.uniform(0.8, 1.2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args) -> int:
     from spark.engine.engine import Engine
+    from spark.engine.offline import generate
     from spark.engine.sampling import SamplingParams
 
     engine = Engine.load(args.model, device=args.device)
@@ -87,7 +88,7 @@ def _generate(args) -> int:
     else:
         prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
-    outputs = engine.generate([prompt_ids], params)[0]
+    outputs = generate(engine, [prompt_ids], params)[0]
     token_ids = [o.token_id for o in outputs]
     text = tok.decode(token_ids, skip_special_tokens=True)
     if args.json:

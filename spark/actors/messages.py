@@ -3,21 +3,28 @@
 Every message is a frozen attrs value with plain fields. The flow (wired in
 ``spark.actors.system``):
 
-    HTTP handler --GenerateRequest--> ingress --> scheduler --StepWork--> GPU runner
-    GPU runner --StepResult--> scheduler --TokenOutputs--> streamer --RequestOutput--> handler
-    handler (gone) --Cancel--> scheduler
+    HTTP handler --GenerateRequest--> ingress --Submission--> host --Admit--> core
+    core --Opened/TokenBatch/Failed (spark.core.events)--> host --StreamOpen/...--> streamer
+    streamer --RequestOutput--> handler;  handler (gone) --Cancel--> host --> core
+
+The host talks to its core (in a thread, or in the engine process) in the messages
+at the end of this module; they cross a pipe as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from typing import Hashable
+from typing import TYPE_CHECKING
 
 import attrs
 
-from spark.engine.engine import StepPlan, TokenOutput
+from spark.core.events import CoreMetrics, Event
 from spark.engine.sampling import SamplingParams
+from spark.serve_config import ServeConfig
+
+if TYPE_CHECKING:
+    import trio
 
 
 @attrs.frozen
@@ -91,50 +98,70 @@ class Cancel:
 
 
 @attrs.frozen
-class StepWork:
-    """One engine step for the GPU runner: forget, reset, register, then compute ``plan``."""
-
-    plan: StepPlan
-    added: tuple[tuple[Hashable, tuple[int, ...], SamplingParams], ...] = ()
-    removed: tuple[Hashable, ...] = ()  # ended (finished, cancelled, failed)
-    reset: tuple[Hashable, ...] = ()  # preempted: their pages are gone, recompute from scratch
-
-
-@attrs.frozen
-class StepResult:
-    outputs: tuple[TokenOutput, ...]
-    seconds: float  # wall time of the step
-    error: str | None = None  # the step failed; every sequence in it fails
-
-
-@attrs.frozen
 class Submission:
     """A request accepted by the ingress, with the channel its pieces go to."""
 
     request: GenerateRequest
-    out: object  # trio.MemorySendChannel[RequestOutput]
+    out: "trio.MemorySendChannel[RequestOutput]"
     arrival: float  # trio.current_time() at acceptance
 
 
 @attrs.frozen
 class StreamOpen:
-    """Scheduler -> streamer: a request starts; its tokens follow."""
+    """Host -> streamer: a request starts; its tokens (``TokenBatch``) follow, or a ``Failed``."""
 
     submission: Submission
 
 
-@attrs.frozen
-class TokenBatch:
-    """Scheduler -> streamer: the tokens one step sampled."""
-
-    outputs: tuple[TokenOutput, ...]
-    time: float
+# -- between the host and its core (a thread's queue, or the engine process's pipe) --------------
 
 
 @attrs.frozen
-class Failed:
-    """Scheduler -> streamer: a request ended by the server (an error, or the KV pool full)."""
+class Admit:
+    """Host -> core: a request leaves the server's queue for the core's."""
 
-    request_id: str
-    error: str
-    reason: str = "error"  # the finish_reason the client sees: "error" or "length"
+    request: GenerateRequest
+    waited: float  # seconds since it was accepted: the core's clock is not the server's
+
+
+@attrs.frozen
+class Out:
+    """Core -> host: what one turn of the core loop said, and its metrics then."""
+
+    events: tuple[Event, ...]
+    metrics: CoreMetrics
+
+
+@attrs.frozen
+class Session:
+    """Server -> engine process: serve requests with these limits and policy until ``EndSession``."""
+
+    config: ServeConfig
+
+
+@attrs.frozen
+class EndSession:
+    pass
+
+
+@attrs.frozen
+class SessionEnded:
+    pass
+
+
+@attrs.frozen
+class EngineFacts:
+    """Engine process -> server, once loaded: what admission needs to know of the engine."""
+
+    vocab_size: int
+    max_model_len: int
+    num_pages: int
+    page_size: int
+
+
+@attrs.frozen
+class LoadFailure:
+    """Engine process -> server: the model did not load."""
+
+    message: str
+    load_error: bool = False  # a ModelLoadError: the message is the one line to show

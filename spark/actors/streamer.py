@@ -15,11 +15,10 @@ import attrs
 import trio
 
 from spark.actors.channels import take_waiting
-from spark.actors.messages import (
-    Cancel, Failed, RequestOutput, StreamOpen, Submission, TokenBatch, TokenLogprob,
-)
+from spark.actors.messages import Cancel, RequestOutput, StreamOpen, Submission, TokenLogprob
+from spark.core.events import Failed, TokenBatch
+from spark.core.plan import TokenOutput
 from spark.engine.detokenizer import IncrementalDetokenizer
-from spark.engine.engine import TokenOutput
 from spark.metrics import Metrics
 
 log = logging.getLogger("spark.streamer")

@@ -1,12 +1,13 @@
 """The wiring: every actor and channel of Spark, top to bottom.
 
-    HTTP handler --submit()--> ingress --admissions--> scheduler --work--> GPU runner
-                                                        ^   |  <--results--'
-                      handler/streamer --cancels--------'   '--stream--> streamer --pieces--> handler
+    HTTP handler --submit()--> ingress --admissions--> host ==transport==> core loop
+                                                        |  <==Out========'  (a thread, or the
+                      handler/streamer --cancels--------'                    engine process)
+                                                        '--stream--> streamer --pieces--> handler
 
-With an engine process (``EngineProcess.run_core``), the scheduler and the GPU runner
-run there, next to the engine, on an event loop of their own; here its ``run_core``
-stands in their place between the admissions, the cancels and the stream.
+The core (``spark.core.Core``: scheduler, pages, engine) runs in a busy loop of its
+own, beside the engine: in a thread when the engine is in this process, or as the
+engine process's main loop. ``spark.actors.host.run_host`` is this side of either.
 
 Use:
 
@@ -19,7 +20,6 @@ Use:
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -28,11 +28,13 @@ from typing import AsyncIterator
 
 import trio
 
-from spark.actors import gpu_runner, scheduler, streamer
+from spark.actors import streamer
+from spark.actors.engine_process import EngineProcess
+from spark.actors.host import ThreadTransport, Transport, run_host
 from spark.actors.ingress import Ingress, RequestStream, SubmitError
 from spark.actors.messages import GenerateRequest
 from spark.actors.rate_limiter import RateLimiter
-from spark.actors.scheduler_policy import SchedulerPolicy
+from spark.core.interfaces import LoadedEngine, StepEngine
 from spark.engine.sampling import SamplingParams
 from spark.metrics import Metrics
 from spark.serve_config import ServeConfig
@@ -45,7 +47,8 @@ log = logging.getLogger("spark.system")
 class SparkSystem:
     """What the HTTP layer holds: ``submit``, the tokenizer, names, limits, health and metrics."""
 
-    def __init__(self, ingress: Ingress, *, engine, config: ServeConfig, metrics: Metrics, served_name: str):
+    def __init__(self, ingress: Ingress, *, engine: LoadedEngine, config: ServeConfig, metrics: Metrics,
+                 served_name: str):
         self._ingress = ingress
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -74,56 +77,34 @@ class SparkSystem:
 
 @asynccontextmanager
 async def open_system(
-    engine,
+    engine: EngineProcess | StepEngine,
     config: ServeConfig,
     *,
-    execute: gpu_runner.Executor | None = None,
     served_name: str | None = None,
 ) -> AsyncIterator[SparkSystem]:
     """Start the actors around ``engine``; stop them when the block ends.
 
     Args:
-        engine: a loaded ``spark.engine.Engine`` (or a double with its verbs).
+        engine: an ``EngineProcess`` (its core runs there), or an engine of this process
+            (``spark.engine.Engine``, or a test's double): its core runs in a thread.
         config: limits and policies (``ServeConfig``).
-        execute: how a step runs; by default in a worker thread. Simulations pass
-            one that advances a mock clock instead.
     """
     metrics = Metrics()
-    allocator = engine.new_page_allocator()
-    run_core = getattr(engine, "run_core", None)  # an EngineProcess schedules and steps in its process
+    transport: Transport = engine.transport() if isinstance(engine, EngineProcess) else ThreadTransport(engine)
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
-    # An engine process's results come in from a thread, which may not wait: unbounded.
-    stream_send, stream_recv = trio.open_memory_channel(math.inf if run_core is not None else 256)
+    # The core's events come in from a thread, which may not wait: unbounded.
+    stream_send, stream_recv = trio.open_memory_channel(math.inf)
+    num_pages = engine.num_pages - 1  # page 0 is the allocator's scratch page
 
     async with trio.open_nursery() as nursery:
-        if run_core is not None:
-            await nursery.start(run_core, config, admissions_recv, cancels_recv, stream_send, metrics)
-        else:
-            depth = config.scheduler_depth or scheduler.DEFAULT_DEPTH
-            work_send, work_recv = trio.open_memory_channel(depth)  # a turn of the scheduler may plan every step ahead
-            # Room for every step in flight: the engine's thread hands results in without waiting.
-            results_send, results_recv = trio.open_memory_channel(depth)
-            if execute is not None:
-                await nursery.start(gpu_runner.run, execute, work_recv, results_send)
-            else:
-                can_capture = getattr(engine, "enable_cuda_graphs", None)  # engine doubles have no GPU path
-                capture = engine.capture_next_graph if can_capture and can_capture(config.max_batch_size) else None
-                on_captured = None if capture is None else gpu_runner.graph_gauges(metrics, engine)
-                await nursery.start(
-                    functools.partial(gpu_runner.run_in_thread, capture_next=capture, on_captured=on_captured),
-                    engine, work_recv, results_send,
-                )
-            await nursery.start(functools.partial(
-                scheduler.run, SchedulerPolicy.from_config(allocator, config), admissions_recv, cancels_recv,
-                work_send, results_recv, stream_send, metrics, depth=depth,
-            ))
+        await nursery.start(run_host, transport, config, admissions_recv, cancels_recv, stream_send, metrics)
         await nursery.start(streamer.run, engine.tokenizer, stream_recv, cancels_send.clone(), metrics)
         ingress = Ingress(
             admissions_send,
             cancels_send,
             max_model_len=engine.max_model_len,
-            max_tokens_in_cache=allocator.num_total * allocator.page_size,
+            max_tokens_in_cache=num_pages * engine.page_size,
             vocab_size=engine.vocab_size,
             rate_limiter=RateLimiter(config.rate_limit_rps, config.rate_limit_tpm, config.rate_limit_max_keys),
             metrics=metrics,
@@ -133,9 +114,9 @@ async def open_system(
             served_name=served_name or config.resolved_served_name(),
         )
         await system.preflight()
-        log.info("actors up: policy=%s max_batch=%d pages=%d depth=%s engine=%s", config.scheduler,
-                 config.max_batch_size, allocator.num_total, config.scheduler_depth or scheduler.DEFAULT_DEPTH,
-                 "process" if run_core is not None else "thread")
+        log.info("actors up: policy=%s max_batch=%d pages=%d depth=%s core=%s", config.scheduler,
+                 config.max_batch_size, num_pages, config.scheduler_depth or "default",
+                 "process" if isinstance(engine, EngineProcess) else "thread")
         try:
             yield system
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Hashable, Protocol, Sequence
 
+from spark.core.page_allocator import PageAllocator
 from spark.core.plan import StepPlan, TokenOutput
 
 
@@ -44,6 +45,9 @@ class StepEngine(LoadedEngine, Protocol):
     step. Keeping two launched lets the host prepare step N+1 while the device runs N.
     """
 
+    def new_page_allocator(self) -> PageAllocator:
+        """An allocator over this engine's KV pages (the core that plans for it owns it)."""
+
     def add_sequence(self, seq_id: Hashable, prompt_ids: Sequence[int], params) -> None: ...
 
     def remove_sequence(self, seq_id: Hashable) -> None: ...
@@ -53,3 +57,12 @@ class StepEngine(LoadedEngine, Protocol):
     def launch(self, plan: StepPlan) -> None: ...
 
     def collect(self) -> list[TokenOutput]: ...
+
+    def enable_cuda_graphs(self, max_batch_size: int) -> bool:
+        """Plan decode graphs up to ``max_batch_size``; False where there are none (no GPU)."""
+
+    def capture_next_graph(self) -> bool:
+        """Capture one more planned graph; False when none is left."""
+
+    def graph_progress(self) -> tuple[int, int]:
+        """(graphs captured, graphs planned)."""

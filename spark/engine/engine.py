@@ -28,6 +28,7 @@ from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
 from spark.engine.models.runtime import Model, Runtime, build_model
 from spark.core.page_allocator import PageAllocator
+from spark.core.plan import Chunk, StepPlan, TokenOutput
 from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
@@ -38,31 +39,6 @@ log = logging.getLogger("spark.engine")
 CPU_KV_BUDGET_BYTES = 1 << 30
 _MAX_ENDED = 65536  # ended ids remembered, so that a plan made before the end is known skips them
 GPU_MEMORY_FRACTION = 0.90  # of the memory free after loading, for the KV cache
-
-
-@attrs.frozen
-class ScheduledChunk:
-    """Compute ``num_tokens`` more tokens of ``seq_id``, whose pages are ``block_table``."""
-
-    seq_id: Hashable
-    num_tokens: int
-    block_table: tuple[int, ...]
-
-
-@attrs.frozen
-class StepPlan:
-    chunks: tuple[ScheduledChunk, ...]
-
-
-@attrs.frozen
-class TokenOutput:
-    """A token sampled for ``seq_id`` this step."""
-
-    seq_id: Hashable
-    token_id: int
-    logprob: float | None = None  # of the chosen token, under the model's raw distribution
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-    finish_reason: str | None = None  # "stop" | "length" once the sequence is done
 
 
 @attrs.define(eq=False)
@@ -84,7 +60,7 @@ class Engine:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Model,
         *,
         tokenizer=None,
         page_size: int = 16,
@@ -160,7 +136,7 @@ class Engine:
     def new_page_allocator(self) -> PageAllocator:
         return PageAllocator(self.kv_cache.num_pages, self.page_size)
 
-    def unload(self) -> None:
+    def close(self) -> None:
         """Drop the weights, the KV cache and the CUDA graphs now, even if this object stays referenced
         somewhere (a switch frees one model's memory before loading the next). The engine is unusable after."""
         self.graphs = None
@@ -240,13 +216,14 @@ class Engine:
         Raises:
             ValueError: the plan asks tokens a sequence does not have, or pages it lacks.
         """
+        self._register(plan)
         if any(self._waits_on_host(c) for c in plan.chunks):
             self._complete_all()  # penalties and forced tokens need the previous tokens on the host
         elif self.graphs is not None:
             self._bound_ring_readers()
         ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
         feeds: dict[_Launched, tuple[list[int], list[int]]] = {}  # launched step -> (rows of ids, rows of its tokens)
-        kept: list[ScheduledChunk] = []
+        kept: list[Chunk] = []
         page_size = self.page_size
         for chunk in plan.chunks:
             s = self._live(chunk.seq_id)
@@ -280,6 +257,15 @@ class Engine:
         if kept:
             self._queue(step, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds)
         self._inflight.append(step)  # only once queued: a launch that raised leaves nothing to collect
+
+    def _register(self, plan: StepPlan) -> None:
+        """Forget the plan's ended sequences, reset its preempted ones, register its new ones."""
+        for seq_id in plan.removed:
+            self.remove_sequence(seq_id)
+        for seq_id in plan.reset:
+            self.reset_computed(seq_id)
+        for new in plan.added:
+            self.add_sequence(new.seq_id, new.prompt_ids, new.params)
 
     def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds) -> None:
         """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device."""
@@ -360,7 +346,7 @@ class Engine:
             raise ValueError(f"unknown sequence {seq_id!r}")
         return None if s.ended else s
 
-    def _waits_on_host(self, chunk: ScheduledChunk) -> bool:
+    def _waits_on_host(self, chunk: Chunk) -> bool:
         s = self._seqs.get(chunk.seq_id)
         return s is not None and bool(s.pending) and s.needs_host_tokens
 
@@ -445,20 +431,6 @@ class Engine:
                 top_logprobs=top, finish_reason=reason,
             ))
         return outputs
-
-    # -- convenience ------------------------------------------------------
-    def generate(
-        self,
-        prompts: Seq[Seq[int]],
-        params: SamplingParams | Seq[SamplingParams],
-        *,
-        max_prefill_tokens: int | None = None,
-        max_batch_size: int = 256,
-    ) -> list[list[TokenOutput]]:
-        """Run prompts to completion (CLI, tests, benchmarks): ``offline.generate`` on this engine."""
-        from spark.engine.offline import generate
-
-        return generate(self, prompts, params, max_prefill_tokens=max_prefill_tokens, max_batch_size=max_batch_size)
 
 
 def _load_tokenizer(source):

@@ -20,27 +20,22 @@ def real_engine():
     return Engine.load("default", device="cpu", kv_cache_bytes=64 << 20, progress=False)
 
 
-class AllocatorSpy:
-    """Wraps an engine (or double) and remembers the page allocator the system builds from it."""
-
-    def __init__(self, engine):
-        self._engine = engine
-        self.allocator = None
-
-    def new_page_allocator(self):
-        self.allocator = self._engine.new_page_allocator()
-        return self.allocator
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
 @asynccontextmanager
-async def open_spied(engine, config, **kwargs):
-    """``open_system`` that also yields the system's page allocator: ``(system, allocator)``."""
-    spy = AllocatorSpy(engine)
-    async with open_system(spy, config, **kwargs) as system:
-        yield system, spy.allocator
+async def open_spied(engine, config):
+    """``open_system`` that also yields the page allocator its core builds: ``(system, allocator)``."""
+    built = []
+    make = engine.new_page_allocator
+
+    def spy():
+        built.append(make())
+        return built[-1]
+
+    engine.new_page_allocator = spy  # on this instance only, until the block ends
+    try:
+        async with open_system(engine, config) as system:
+            yield system, built[-1]
+    finally:
+        del engine.new_page_allocator
 
 
 async def collect(stream):

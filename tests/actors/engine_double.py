@@ -7,9 +7,9 @@ as an exception here instead of as wrong text there. Its tokens depend only on
 (sequence id, position), never on the batch, so a sequence recomputed after a
 preemption or run in any company produces the same tokens.
 
-``simulated_executor`` is an ``execute`` for ``open_system``: it applies the
-work to the double and then sleeps ``base + per_token * tokens`` on the (mock)
-clock, so step time grows with the tokens in the step.
+``SimulatedEngine`` is the double on a ``FakeClock``: collecting a step advances the
+clock by ``base + per_token * tokens``, so a ``Core`` driven over it sees step times
+that grow with the tokens in the step, in no real time.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Hashable, Sequence
 
-import attrs
-import trio
+from collections import deque
 
-from spark.actors.gpu_runner import apply_work
-from spark.actors.messages import StepWork
-from spark.engine.engine import StepPlan, TokenOutput
+import attrs
+
+from spark.core.plan import StepPlan, TokenOutput
 from spark.core.page_allocator import PageAllocator
 from spark.engine.sampling import SamplingParams
 
@@ -101,6 +100,7 @@ class EngineDouble:
         self.sequences: dict[Hashable, _Sequence] = {}
         self.ended: set[Hashable] = set()  # finished or removed: a pipelined plan may still name them
         self._page_owner: dict[int, Hashable] = {}  # page -> the sequence that last wrote it
+        self._launched: deque[list[TokenOutput]] = deque()
 
     def new_page_allocator(self) -> PageAllocator:
         return PageAllocator(self.num_pages, self.page_size)
@@ -135,13 +135,40 @@ class EngineDouble:
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.sequences[seq_id].num_tokens
 
+    def close(self) -> None:
+        self.sequences.clear()
+
+    # -- CUDA graphs: a double has none -------------------------------------
+    def enable_cuda_graphs(self, max_batch_size: int) -> bool:
+        return False
+
+    def capture_next_graph(self) -> bool:
+        return False
+
+    def graph_progress(self) -> tuple[int, int]:
+        return (0, 0)
+
     # -- the step ---------------------------------------------------------
+    def launch(self, plan: StepPlan) -> None:
+        """The step runs at launch (``step``); ``collect`` hands its tokens back, oldest first."""
+        self._launched.append(self.step(plan))
+
+    def collect(self) -> list[TokenOutput]:
+        return self._launched.popleft()
+
     def step(self, plan: StepPlan) -> list[TokenOutput]:
-        """Validate ``plan`` like the real engine, "compute" it, sample for sequences that caught up.
+        """Register the plan's sequences, validate its chunks like the real engine, "compute"
+        them, sample for sequences that caught up.
 
         Like the real engine, chunks of sequences that ended are dropped (a pipelined
         scheduler plans the next step before it learns of an end).
         """
+        for seq_id in plan.removed:
+            self.remove_sequence(seq_id)
+        for seq_id in plan.reset:
+            self.reset_computed(seq_id)
+        for new in plan.added:
+            self.add_sequence(new.seq_id, new.prompt_ids, new.params)
         plan = StepPlan(tuple(c for c in plan.chunks if c.seq_id in self.sequences or c.seq_id not in self.ended))
         if not plan.chunks:
             return []
@@ -221,21 +248,31 @@ class EngineDouble:
         )
 
 
-def simulated_executor(engine: EngineDouble, *, base: float = 0.005, per_token: float = 0.00025):
-    """An ``execute`` for ``open_system``: apply the work, then take ``base + per_token * tokens`` seconds.
+class FakeClock:
+    """Seconds that pass only when told to."""
 
-    Args:
-        engine: the double the work is applied to.
-        base: fixed seconds per step.
-        per_token: seconds per computed token.
+    def __init__(self, now: float = 0.0):
+        self.now = now
 
-    Returns:
-        ``async (StepWork) -> list[TokenOutput]``; a failing step raises at once, like the real one.
-    """
+    def __call__(self) -> float:
+        return self.now
 
-    async def execute(work: StepWork) -> list[TokenOutput]:
-        outputs = apply_work(engine, work)
-        await trio.sleep(base + per_token * sum(c.num_tokens for c in work.plan.chunks))
-        return outputs
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
-    return execute
+
+class SimulatedEngine(EngineDouble):
+    """The double whose steps take ``base + per_token * tokens`` seconds of ``clock`` (at collect)."""
+
+    def __init__(self, clock: FakeClock, *, base: float = 0.005, per_token: float = 0.00025, **kwargs):
+        super().__init__(**kwargs)
+        self.clock, self.base, self.per_token = clock, base, per_token
+        self._costs: deque[float] = deque()
+
+    def launch(self, plan: StepPlan) -> None:
+        super().launch(plan)
+        self._costs.append(self.base + self.per_token * sum(c.num_tokens for c in plan.chunks))
+
+    def collect(self) -> list[TokenOutput]:
+        self.clock.advance(self._costs.popleft())
+        return super().collect()

@@ -1,14 +1,16 @@
 """The engine in its own process gives what the engine in a thread gives."""
 
 import queue
+import threading
 
 import pytest
 import trio
 
-from spark.actors import engine_core
 from spark.actors.engine_process import EngineProcess
-from spark.actors.messages import GenerateRequest
+from spark.actors.host import CoreLoop, new_core
+from spark.actors.messages import Admit, GenerateRequest
 from spark.actors.system import open_system
+from spark.core.events import TokenBatch
 from spark.engine.engine import Engine
 from spark.engine.errors import ModelLoadError
 from spark.engine.sampling import SamplingParams
@@ -75,7 +77,7 @@ async def test_the_scheduler_in_the_process_reports_metrics_and_frees_a_leaving_
         for session in range(2):  # a second system on the same process starts clean
             async with open_system(child, ServeConfig(max_prefill_tokens=8)) as system:
                 metrics = system.metrics
-                assert _value(metrics.kv_pages_total) == child.new_page_allocator().num_total
+                assert _value(metrics.kv_pages_total) == child.num_pages - 1  # page 0 is the scratch page
                 request = GenerateRequest(f"long-{session}", tuple(range(1, 30)),
                                           SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
                 async with system.submit(request) as stream:
@@ -92,19 +94,25 @@ async def test_the_scheduler_in_the_process_reports_metrics_and_frees_a_leaving_
         child.close()
 
 
-async def test_metric_updates_leave_the_process_when_no_message_carries_them(autojump_clock):
-    recorder = engine_core.MetricsRecorder()
-    sends = queue.SimpleQueue()
-    stream_send, stream_recv = trio.open_memory_channel(8)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine_core.send_outputs, stream_recv, sends, recorder)
-        await trio.sleep(1)
-        assert sends.empty()  # nothing said, nothing to update: nothing sent
-        recorder.kv_pages_used.set(7)
-        recorder.kv_pages_used.set(3)  # only the last value of a gauge travels
-        recorder.step_seconds.observe(0.5)
-        await trio.sleep(1)
-        out = sends.get_nowait()
-        assert out.messages == () and out.metrics == (("step_seconds", "observe", 0.5), ("kv_pages_used", "set", 3))
-        assert sends.empty()
-        nursery.cancel_scope.cancel()
+def test_the_core_loop_reports_its_gauges_before_it_sleeps():
+    """After the last token, the loop says once more how the pool stands (the pages the
+    ended request freed), so the server's gauges do not wait for the next request."""
+    from tests.actors.engine_double import EngineDouble
+
+    core = new_core(EngineDouble(), ServeConfig(max_prefill_tokens=8))
+    inbox, outs = queue.SimpleQueue(), queue.SimpleQueue()
+    loop = threading.Thread(target=CoreLoop(core, inbox, outs.put).run)
+    loop.start()
+    inbox.put([Admit(GenerateRequest("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=3)), 0.0)])
+    seen = []
+    while not (seen and seen[-1].events == () and any(isinstance(e, TokenBatch) for o in seen for e in o.events)):
+        seen.append(outs.get(timeout=10))
+    inbox.put(None)
+    loop.join(10)
+    assert not loop.is_alive()
+    busy = [o.metrics.kv_pages_used for o in seen if any(isinstance(e, TokenBatch) for e in o.events)]
+    assert busy and busy[0] > 0  # while it ran, its pages were counted
+    last = seen[-1].metrics
+    assert (last.kv_pages_used, last.requests_running, last.requests_waiting) == (0, 0, 0)
+    assert sum(len(o.metrics.steps) for o in seen) >= 3  # the prefill and the decodes
+    assert sum(len(o.metrics.queue_times) for o in seen) == 1

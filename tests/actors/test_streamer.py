@@ -10,9 +10,10 @@ import trio
 import trio.testing
 
 from spark.actors import streamer
-from spark.actors.messages import Cancel, Failed, GenerateRequest, StreamOpen, Submission, TokenBatch
+from spark.actors.messages import Cancel, GenerateRequest, StreamOpen, Submission
+from spark.core.events import Failed, TokenBatch
 from spark.actors.streamer import StopMatcher
-from spark.engine.engine import TokenOutput
+from spark.core.plan import TokenOutput
 from spark.engine.sampling import SamplingParams
 from spark.metrics import Metrics
 from tests.actors.engine_double import CharTokenizer

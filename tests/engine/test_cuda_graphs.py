@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spark.engine.cuda_graphs import RING_ROWS, DecodeGraphs
-from spark.engine.engine import ScheduledChunk, StepPlan
+from spark.core.plan import Chunk, StepPlan
 from spark.engine.sampling import SamplingParams
 
 
@@ -90,11 +90,11 @@ def _decode(engine, prompts, *, in_flight: int) -> dict:
     for sid, (ids, p) in prompts.items():
         engine.add_sequence(sid, ids, p)
     tokens = {sid: [] for sid in prompts}
-    engine.step(StepPlan(tuple(ScheduledChunk(s, len(ids), alloc.allocate(s, len(ids))) for s, (ids, _) in prompts.items())))
+    engine.step(StepPlan(tuple(Chunk(s, len(ids), alloc.allocate(s, len(ids))) for s, (ids, _) in prompts.items())))
     live = set(prompts)
     while live or engine.num_inflight:
         if live and engine.num_inflight < in_flight:
-            engine.launch(StepPlan(tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in sorted(live))))
+            engine.launch(StepPlan(tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in sorted(live))))
             continue
         for out in engine.collect():
             tokens[out.seq_id].append(out.token_id)
@@ -138,13 +138,13 @@ def test_a_step_feeding_from_an_old_ring_row_reads_it_back_before_the_row_is_reu
     alloc = engine.new_page_allocator()
 
     def decode(*sids):
-        engine.launch(StepPlan(tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in sids)))
+        engine.launch(StepPlan(tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in sids)))
 
     def run(graphs):
         engine.graphs = graphs
         for sid in ("a", "b"):
             engine.add_sequence(sid, ids, GREEDY)
-        engine.step(StepPlan(tuple(ScheduledChunk(s, len(ids), alloc.allocate(s, len(ids))) for s in ("a", "b"))))
+        engine.step(StepPlan(tuple(Chunk(s, len(ids), alloc.allocate(s, len(ids))) for s in ("a", "b"))))
         decode("a", "b")  # a's next token: in ring row 0, on the device only
         for _ in range(RING_ROWS):
             decode("b")  # rows 1, 2, 3, then row 0 again

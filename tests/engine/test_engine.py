@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from spark.engine.engine import Engine, ScheduledChunk, StepPlan
+from spark.engine.offline import generate
+from spark.engine.engine import Engine
+from spark.core.plan import Chunk, StepPlan
 from spark.engine.errors import ModelLoadError
 from spark.engine.sampling import SamplingParams
 
@@ -47,7 +49,7 @@ def prompts(engine) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def alone(engine, prompts) -> list[list[int]]:
     """Greedy tokens of each prompt run by itself: the reference for every batched mode."""
-    return [token_ids(engine.generate([p], GREEDY))[0] for p in prompts]
+    return [token_ids(generate(engine, [p], GREEDY))[0] for p in prompts]
 
 
 def small_engine(engine: Engine, **kwargs) -> Engine:
@@ -59,16 +61,16 @@ def small_engine(engine: Engine, **kwargs) -> Engine:
 
 def test_batch_equals_alone(engine, prompts, alone):
     assert all(len(t) == NEW_TOKENS for t in alone)
-    assert token_ids(engine.generate(prompts, GREEDY)) == alone
+    assert token_ids(generate(engine, prompts, GREEDY)) == alone
 
 
 def test_chunked_prefill_equals_alone(engine, prompts, alone):
-    assert token_ids(engine.generate(prompts, GREEDY, max_prefill_tokens=7)) == alone
+    assert token_ids(generate(engine, prompts, GREEDY, max_prefill_tokens=7)) == alone
 
 
 def test_small_pages_equal_alone(engine, prompts, alone):
     tiny_pages = small_engine(engine, page_size=4)
-    assert token_ids(tiny_pages.generate(prompts, GREEDY, max_prefill_tokens=7)) == alone
+    assert token_ids(generate(tiny_pages, prompts, GREEDY, max_prefill_tokens=7)) == alone
 
 
 def test_mixed_prefill_chunk_and_decodes_in_one_step(engine, prompts, alone):
@@ -92,7 +94,7 @@ def test_mixed_prefill_chunk_and_decodes_in_one_step(engine, prompts, alone):
                 computed = engine.num_tokens(sid) - engine.num_uncomputed(sid)
                 n = min(13, engine.num_uncomputed(sid))
                 table = allocator.append(sid, computed + n) if allocator.has(sid) else allocator.allocate(sid, computed + n)
-                chunks.append(ScheduledChunk(sid, n, table))
+                chunks.append(Chunk(sid, n, table))
                 continued |= n > 1 and computed > 0  # a prompt chunk after an earlier one
                 decodes += n == 1
             mixed_steps += continued and decodes > 0
@@ -123,7 +125,7 @@ def test_preempted_sequence_recomputes_and_continues(engine, prompts, alone):
                 assert engine.num_uncomputed("p") == len(prompt) + 5
             n, total = engine.num_uncomputed("p"), engine.num_tokens("p")
             table = allocator.append("p", total) if allocator.has("p") else allocator.allocate("p", total)
-            (out,) = engine.step(StepPlan((ScheduledChunk("p", n, table),)))
+            (out,) = engine.step(StepPlan((Chunk("p", n, table),)))
             got.append(out.token_id)
     finally:
         engine.remove_sequence("p")
@@ -132,12 +134,12 @@ def test_preempted_sequence_recomputes_and_continues(engine, prompts, alone):
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine, prompts, alone):
-    solo = token_ids(engine.generate([prompts[3]], SEEDED))[0]
+    solo = token_ids(generate(engine, [prompts[3]], SEEDED))[0]
     others = [SamplingParams(temperature=0, max_tokens=8), SEEDED, SamplingParams(temperature=1.0, seed=7, max_tokens=20)]
-    batched = token_ids(engine.generate(prompts[2:5], others, max_prefill_tokens=11))
+    batched = token_ids(generate(engine, prompts[2:5], others, max_prefill_tokens=11))
     assert batched[1] == solo
     assert len(solo) == 16 and solo != alone[3][:16]  # it did sample, not argmax
-    other_seed = token_ids(engine.generate([prompts[3]], SamplingParams(temperature=0.8, seed=4321, max_tokens=16)))[0]
+    other_seed = token_ids(generate(engine, [prompts[3]], SamplingParams(temperature=0.8, seed=4321, max_tokens=16)))[0]
     assert other_seed != solo
 
 
@@ -151,7 +153,7 @@ def test_tiny_dummy_families_generate(preset):
     for _ in range(2):
         e = Engine.load(f"dummy:{preset}", device="cpu", dtype=torch.float32, kv_cache_bytes=1 << 20, progress=False)
         assert e.config.arch == preset.removeprefix("tiny-")
-        runs.append(token_ids(e.generate([prompt, prompt[:3]], params)))
+        runs.append(token_ids(generate(e, [prompt, prompt[:3]], params)))
         logits = prefill_logits(e, [prompt])
     assert runs[0] == runs[1]
     assert [len(t) for t in runs[0]] == [8, 8]
@@ -169,7 +171,7 @@ def test_dummy_smollm2_has_real_shapes_and_steps():
     assert m.layers[0].attention.wqkv.weight.shape == (576 + 2 * 192, 576)
     assert m.layers[0].feed_forward.w13.weight.shape == (2 * 1536, 576)
     e.add_sequence(0, [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
-    outs = e.step(StepPlan((ScheduledChunk(0, 5, e.new_page_allocator().allocate(0, 5)),)))
+    outs = e.step(StepPlan((Chunk(0, 5, e.new_page_allocator().allocate(0, 5)),)))
     e.remove_sequence(0)
     assert len(outs) == 1 and 0 <= outs[0].token_id < 49152 and outs[0].finish_reason is None
 
@@ -177,13 +179,13 @@ def test_dummy_smollm2_has_real_shapes_and_steps():
 # --- stop conditions --------------------------------------------------------------------------
 
 def test_max_tokens_finishes_with_length(engine, golden):
-    outs = engine.generate([golden["cases"][0]["prompt_ids"]], SamplingParams(temperature=0, max_tokens=5))[0]
+    outs = generate(engine, [golden["cases"][0]["prompt_ids"]], SamplingParams(temperature=0, max_tokens=5))[0]
     assert [o.finish_reason for o in outs] == [None] * 4 + ["length"]
 
 
 def test_stop_token_finishes_with_stop(engine, golden):
     case = golden["cases"][0]  # greedy: 7042, 30, 198, 198, ...
-    outs = engine.generate([case["prompt_ids"]], SamplingParams(temperature=0, stop_token_ids=[198]))[0]
+    outs = generate(engine, [case["prompt_ids"]], SamplingParams(temperature=0, stop_token_ids=[198]))[0]
     assert [o.token_id for o in outs] == case["greedy_ids"][:3]
     assert [o.finish_reason for o in outs] == [None, None, "stop"]
 
@@ -192,10 +194,10 @@ def test_eos_stops_unless_ignored(engine, golden):
     case = golden["cases"][7]  # chat: greedy emits EOS (<|im_end|>, id 2) as its 8th token
     eos_at = case["greedy_ids"].index(2)
     assert 2 in engine.eos_token_ids and eos_at == 7
-    stopped = engine.generate([case["prompt_ids"]], SamplingParams(temperature=0, max_tokens=32))[0]
+    stopped = generate(engine, [case["prompt_ids"]], SamplingParams(temperature=0, max_tokens=32))[0]
     assert [o.token_id for o in stopped] == case["greedy_ids"][: eos_at + 1]
     assert stopped[-1].finish_reason == "stop"
-    ignored = engine.generate([case["prompt_ids"]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ignored = generate(engine, [case["prompt_ids"]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     assert [o.token_id for o in ignored] == case["greedy_ids"][:10]
     assert ignored[eos_at].finish_reason is None and ignored[-1].finish_reason == "length"
 
@@ -203,10 +205,10 @@ def test_eos_stops_unless_ignored(engine, golden):
 def test_context_limit_finishes_with_length(engine, golden):
     case = golden["cases"][0]  # 5 prompt tokens
     short = small_engine(engine, max_model_len=12, kv_cache_bytes=4 << 20)
-    outs = short.generate([case["prompt_ids"]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    outs = generate(short, [case["prompt_ids"]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert [o.token_id for o in outs] == case["greedy_ids"][:7]
     assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
-    assert len(short.generate([list(range(11))], SamplingParams(temperature=0, max_tokens=5))[0]) == 1
+    assert len(generate(short, [list(range(11))], SamplingParams(temperature=0, max_tokens=5))[0]) == 1
     with pytest.raises(ValueError, match="context"):
         short.add_sequence("long", list(range(12)), SamplingParams())
 
@@ -215,7 +217,7 @@ def test_context_limit_finishes_with_length(engine, golden):
 
 def test_logprobs(engine, golden):
     prompt = golden["cases"][1]["prompt_ids"]
-    outs = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    outs = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
     for o in outs:
         assert len(o.top_logprobs) == 3
         values = [lp for _, lp in o.top_logprobs]
@@ -226,8 +228,8 @@ def test_logprobs(engine, golden):
     top = ref.topk(3)
     assert [t for t, _ in outs[0].top_logprobs] == top.indices.tolist()
     assert [lp for _, lp in outs[0].top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
-    none = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0][0]
-    zero = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0))[0][0]
+    none = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1))[0][0]
+    zero = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0))[0][0]
     assert none.logprob is None and none.top_logprobs == ()
     assert zero.top_logprobs == () and zero.logprob == pytest.approx(outs[0].logprob)
 
@@ -285,14 +287,14 @@ def test_plan_beyond_the_known_tokens_is_refused(engine):
     try:
         table = engine.new_page_allocator().allocate("over", 16)
         with pytest.raises(ValueError, match="left"):
-            engine.step(StepPlan((ScheduledChunk("over", 6, table),)))
+            engine.step(StepPlan((Chunk("over", 6, table),)))
         with pytest.raises(ValueError):
-            engine.step(StepPlan((ScheduledChunk("over", 0, table),)))
+            engine.step(StepPlan((Chunk("over", 0, table),)))
         with pytest.raises(ValueError, match="block table"):
-            engine.step(StepPlan((ScheduledChunk("over", 5, ()),)))
+            engine.step(StepPlan((Chunk("over", 5, ()),)))
         assert engine.num_uncomputed("over") == 5  # a refused plan changes nothing
-        (out,) = engine.step(StepPlan((ScheduledChunk("over", 5, table),)))
+        (out,) = engine.step(StepPlan((Chunk("over", 5, table),)))
         with pytest.raises(ValueError, match="left"):
-            engine.step(StepPlan((ScheduledChunk("over", 2, table),)))  # one token to decode, not two
+            engine.step(StepPlan((Chunk("over", 2, table),)))  # one token to decode, not two
     finally:
         engine.remove_sequence("over")

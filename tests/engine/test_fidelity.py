@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spark.engine.offline import generate
 from spark.engine.sampling import SamplingParams
 
 from .conftest import GOLDEN, prefill_logits
@@ -27,7 +28,7 @@ MIN_COSINE = 0.99999
 @pytest.fixture(scope="module")
 def spark_greedy(engine) -> list[list[int]]:
     """Spark's greedy tokens for every golden prompt, all 13 in one batch (batching is checked in test_engine)."""
-    results = engine.generate([c["prompt_ids"] for c in CASES], GREEDY_32)
+    results = generate(engine, [c["prompt_ids"] for c in CASES], GREEDY_32)
     return [[out.token_id for out in outs] for outs in results]
 
 
@@ -77,10 +78,10 @@ def test_a_gguf_permutation_mistake_changes_the_output(engine):
     with torch.no_grad():
         q_rows.copy_(llama_cpp_permute(saved, engine.config.num_heads))
     try:
-        broken = [o.token_id for o in engine.generate([case["prompt_ids"]], params)[0]]
+        broken = [o.token_id for o in generate(engine, [case["prompt_ids"]], params)[0]]
     finally:
         with torch.no_grad():
             q_rows.copy_(saved)
-    restored = [o.token_id for o in engine.generate([case["prompt_ids"]], params)[0]]
+    restored = [o.token_id for o in generate(engine, [case["prompt_ids"]], params)[0]]
     assert restored == case["greedy_ids"][:8]
     assert broken != restored

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from spark.engine.engine import ScheduledChunk, StepPlan
+from spark.engine.offline import generate
+from spark.core.plan import Chunk, StepPlan
 from spark.engine.sampling import SamplingParams
 
 PROMPT = "Once upon a time, in a quiet village by the sea, there lived"
@@ -22,10 +23,10 @@ def _run_pipelined(engine, prompts: dict, params: SamplingParams, steps: int) ->
     for sid, ids in prompts.items():
         engine.add_sequence(sid, ids, params)
     tokens: dict[str, list[int]] = {sid: [] for sid in prompts}
-    engine.launch(StepPlan(tuple(ScheduledChunk(s, len(ids), alloc.allocate(s, len(ids))) for s, ids in prompts.items())))
+    engine.launch(StepPlan(tuple(Chunk(s, len(ids), alloc.allocate(s, len(ids))) for s, ids in prompts.items())))
     live = set(prompts)
     for _ in range(steps):
-        chunks = tuple(ScheduledChunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in sorted(live))
+        chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in sorted(live))
         engine.launch(StepPlan(chunks))
         for out in engine.collect():
             tokens[out.seq_id].append(out.token_id)
@@ -48,16 +49,16 @@ def _run_pipelined(engine, prompts: dict, params: SamplingParams, steps: int) ->
 def test_two_steps_in_flight_give_the_tokens_of_one_at_a_time(engine, params):
     ids = engine.tokenizer.encode(PROMPT)
     prompts = {"a": ids, "b": ids[:5]}
-    expected = {sid: [o.token_id for o in outs] for sid, outs in zip(prompts, engine.generate(list(prompts.values()), params))}
+    expected = {sid: [o.token_id for o in outs] for sid, outs in zip(prompts, generate(engine, list(prompts.values()), params))}
     # generate() pipelines too: check it against strict step-by-step decoding first.
     alloc = engine.new_page_allocator()
     one_by_one = {}
     for sid, p in prompts.items():
         engine.add_sequence(sid, p, params)
-        out = engine.step(StepPlan((ScheduledChunk(sid, len(p), alloc.allocate(sid, len(p))),)))
+        out = engine.step(StepPlan((Chunk(sid, len(p), alloc.allocate(sid, len(p))),)))
         got = [out[0].token_id]
         while out[0].finish_reason is None:
-            out = engine.step(StepPlan((ScheduledChunk(sid, 1, alloc.append(sid, engine.num_tokens(sid))),)))
+            out = engine.step(StepPlan((Chunk(sid, 1, alloc.append(sid, engine.num_tokens(sid))),)))
             got.append(out[0].token_id)
         one_by_one[sid] = got
         alloc.free(sid)
@@ -68,21 +69,21 @@ def test_two_steps_in_flight_give_the_tokens_of_one_at_a_time(engine, params):
 def test_a_sequence_that_ends_at_a_launched_step_is_dropped_from_the_next(engine):
     ids = engine.tokenizer.encode(PROMPT)
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    first = engine.generate([ids], greedy)[0][0].token_id
+    first = generate(engine, [ids], greedy)[0][0].token_id
     alloc = engine.new_page_allocator()
     engine.add_sequence("stops", ids, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(first,)))
     engine.add_sequence("goes", ids, greedy)
-    engine.launch(StepPlan(tuple(ScheduledChunk(s, len(ids), alloc.allocate(s, len(ids))) for s in ("stops", "goes"))))
+    engine.launch(StepPlan(tuple(Chunk(s, len(ids), alloc.allocate(s, len(ids))) for s in ("stops", "goes"))))
     # Planned before the stop is known: both decode once more.
-    engine.launch(StepPlan(tuple(ScheduledChunk(s, 1, alloc.append(s, len(ids) + 1)) for s in ("stops", "goes"))))
+    engine.launch(StepPlan(tuple(Chunk(s, 1, alloc.append(s, len(ids) + 1)) for s in ("stops", "goes"))))
     outs = engine.collect()
     assert [(o.seq_id, o.finish_reason) for o in outs] == [("stops", "stop"), ("goes", None)]
     assert [o.seq_id for o in engine.collect()] == ["goes"]  # the ended sequence's extra row is dropped
     # A plan made later still may name it: skipped, not an error.
-    engine.launch(StepPlan((ScheduledChunk("stops", 1, alloc.append("stops", len(ids) + 2)),)))
+    engine.launch(StepPlan((Chunk("stops", 1, alloc.append("stops", len(ids) + 2)),)))
     assert engine.collect() == []
     with pytest.raises(ValueError, match="unknown sequence"):
-        engine.launch(StepPlan((ScheduledChunk("never-added", 1, (1,)),)))
+        engine.launch(StepPlan((Chunk("never-added", 1, (1,)),)))
     engine.remove_sequence("goes")
 
 
@@ -90,8 +91,8 @@ def test_a_length_end_at_a_launched_step_is_not_computed_again(engine):
     ids = engine.tokenizer.encode(PROMPT)
     alloc = engine.new_page_allocator()
     engine.add_sequence("one", ids, SamplingParams(temperature=0, max_tokens=1))
-    engine.launch(StepPlan((ScheduledChunk("one", len(ids), alloc.allocate("one", len(ids))),)))
-    engine.launch(StepPlan((ScheduledChunk("one", 1, alloc.append("one", len(ids) + 1)),)))
+    engine.launch(StepPlan((Chunk("one", len(ids), alloc.allocate("one", len(ids))),)))
+    engine.launch(StepPlan((Chunk("one", 1, alloc.append("one", len(ids) + 1)),)))
     assert [o.finish_reason for o in engine.collect()] == ["length"]
     assert engine.collect() == []
 
@@ -100,9 +101,9 @@ def test_step_refuses_to_run_beside_launched_steps(engine):
     ids = engine.tokenizer.encode(PROMPT)
     alloc = engine.new_page_allocator()
     engine.add_sequence("x", ids, SamplingParams(temperature=0, max_tokens=4))
-    engine.launch(StepPlan((ScheduledChunk("x", len(ids), alloc.allocate("x", len(ids))),)))
+    engine.launch(StepPlan((Chunk("x", len(ids), alloc.allocate("x", len(ids))),)))
     with pytest.raises(RuntimeError, match="launch"):
-        engine.step(StepPlan((ScheduledChunk("x", 1, alloc.append("x", len(ids) + 1)),)))
+        engine.step(StepPlan((Chunk("x", 1, alloc.append("x", len(ids) + 1)),)))
     engine.collect()
     engine.remove_sequence("x")
     with pytest.raises(RuntimeError, match="collect"):
@@ -121,8 +122,8 @@ def test_a_launch_that_raises_leaves_nothing_to_collect(engine, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(engine, "_forward_eager", fail)
         with pytest.raises(RuntimeError, match="out of memory"):
-            engine.step(StepPlan((ScheduledChunk("oom", len(ids), alloc.allocate("oom", len(ids))),)))
+            engine.step(StepPlan((Chunk("oom", len(ids), alloc.allocate("oom", len(ids))),)))
     assert engine.num_inflight == 0
-    (out,) = engine.step(StepPlan((ScheduledChunk("oom", len(ids), alloc.append("oom", len(ids))),)))
+    (out,) = engine.step(StepPlan((Chunk("oom", len(ids), alloc.append("oom", len(ids))),)))
     assert out.seq_id == "oom" and out.finish_reason is None
     engine.remove_sequence("oom")

@@ -1,7 +1,7 @@
 """SLAI keeps running streams within their time-between-tokens deadline while long prompts arrive; FIFO does not.
 
 The scenario (and the benchmark that prints it) is ``benchmarks/slai_simulation.py``:
-the real actors over the engine double, step time 5 ms + 0.25 ms/token on a mock clock.
+the real core over the engine double, step time 5 ms + 0.25 ms/token on a fake clock.
 """
 
 from __future__ import annotations

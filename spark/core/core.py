@@ -1,0 +1,240 @@
+"""The step loop, written once: admit -> schedule -> launch -> collect -> update.
+
+``Core`` is synchronous and owns no thread: the actor host calls ``step`` in a busy
+loop (in a thread beside the HTTP loop, or in the engine process), offline
+``generate`` calls it until every prompt is done, and the tests call it on a fake
+clock. Requests come in with ``submit`` and leave with ``cancel``; each ``step``
+returns what happened as ``Opened`` / ``TokenBatch`` / ``Failed`` events.
+
+Up to ``depth`` planned steps are launched at once: step N+1 is planned and launched
+while the device runs step N, and N's tokens are read back only then. The scheduler
+counts a planned step as done; what only the result can say (an end, the step's
+time) is accounted when it is collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, Hashable, Sequence
+
+import attrs
+
+from spark.core.events import CoreMetrics, Event, Failed, Opened, StepShape, TokenBatch
+from spark.core.interfaces import StepEngine
+from spark.core.plan import Chunk, NewSequence, StepPlan, StepResult
+from spark.core.scheduler import Scheduler, SeqState
+
+log = logging.getLogger("spark.core")
+
+# Steps launched at once: the one the device runs and the one the host prepared behind it.
+DEFAULT_DEPTH = 2
+
+
+@attrs.frozen
+class _Launched:
+    chunks: tuple[Chunk, ...]
+    at: float  # when it was launched
+    error: str | None  # the launch raised
+
+
+class Core:
+    """A ``Scheduler`` and the ``StepEngine`` it plans for, stepped by whoever drives it.
+
+    Args:
+        engine: computes the plans.
+        scheduler: owns the queues, the pages and the policy.
+        depth: steps launched at once (1: no overlap of host and device).
+        clock: seconds, for arrivals, deadlines and step times (a fake one in simulations).
+    """
+
+    def __init__(self, engine: StepEngine, scheduler: Scheduler, *, depth: int = DEFAULT_DEPTH,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.engine, self.scheduler = engine, scheduler
+        self.depth = max(1, depth)
+        self.clock = clock
+        self._pending: dict[Hashable, tuple[NewSequence, float]] = {}  # submitted, not admitted: (sequence, arrival)
+        self._active: set[Hashable] = set()  # admitted, not ended
+        self._added: list[NewSequence] = []  # to register with the engine in the next plan
+        self._removed: list[Hashable] = []  # the engine must forget
+        self._reset: list[Hashable] = []  # preempted: the engine must recompute
+        self._inflight: deque[_Launched] = deque()
+        self._last_done = clock()
+        self._queue_times: list[float] = []
+        self._steps: list[StepShape] = []
+
+    # -- requests ---------------------------------------------------------
+    def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None) -> None:
+        """Queue a request; it is admitted (``Opened``) when the batch has room."""
+        arrival = self.clock() if arrival is None else arrival
+        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival)
+
+    def cancel(self, request_id: Hashable) -> None:
+        """End a request wherever it is (its pages are free for the next plan); unknown ids are ignored."""
+        if self._pending.pop(request_id, None) is None and request_id in self._active:
+            self._end(request_id)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a ``step`` has anything to do."""
+        return bool(self._pending or self._active or self._inflight)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # -- the loop ---------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Admit, plan and launch up to ``depth`` steps, collect the oldest when it is due.
+
+        A launch or a collect that raises fails only the requests of that step.
+        """
+        events: list[Event] = []
+        self._admit(events)
+        launched = False
+        while len(self._inflight) < self.depth:
+            if not self._launch_next():
+                break
+            launched = True
+        if self._inflight and (len(self._inflight) >= self.depth or not launched):
+            self._collect_oldest(events)
+        elif not self._inflight:
+            self._unblock(events)
+            self._flush_removals()
+        return events
+
+    def drain(self) -> list[Event]:
+        """Collect every launched step (the engine may be closed after)."""
+        events: list[Event] = []
+        while self._inflight:
+            self._collect_oldest(events)
+        return events
+
+    def metrics(self) -> CoreMetrics:
+        """The gauges now, and the observations since the last call (which are then forgotten)."""
+        s = self.scheduler
+        snapshot = CoreMetrics(
+            kv_pages_used=s.allocator.num_used, kv_pages_total=s.allocator.num_total,
+            requests_running=len(s.running), requests_waiting=len(self._pending) + len(s.waiting),
+            queue_times=tuple(self._queue_times), steps=tuple(self._steps),
+        )
+        self._queue_times.clear()
+        self._steps.clear()
+        return snapshot
+
+    # -- the parts --------------------------------------------------------
+    def _admit(self, events: list[Event]) -> None:
+        while self._pending and self.scheduler.has_room():
+            request_id = next(iter(self._pending))
+            new, arrival = self._pending.pop(request_id)
+            self._active.add(request_id)
+            self._added.append(new)
+            n = len(new.prompt_ids)
+            self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n))
+            events.append(Opened(request_id))
+
+    def _launch_next(self) -> bool:
+        """Plan one step and launch it; False when there is nothing to plan."""
+        now = self.clock()
+        chunks = self.scheduler.schedule(now)
+        self._reset.extend(self.scheduler.preempted)
+        if not chunks:
+            return False
+        for c in chunks:
+            seq = self.scheduler.seq(c.seq_id)
+            if seq.started == now and c.num_tokens == seq.num_computed:  # its first chunk
+                self._queue_times.append(now - seq.arrival)
+        plan = StepPlan(tuple(chunks), tuple(self._added), tuple(self._removed), tuple(self._reset))
+        self._added, self._removed, self._reset = [], [], []
+        at = self.clock()
+        try:
+            self.engine.launch(plan)
+            error = None
+        except Exception as exc:
+            error = step_failure(exc)
+        self._inflight.append(_Launched(plan.chunks, at, error))
+        return True
+
+    def _collect_oldest(self, events: list[Event]) -> None:
+        step = self._inflight.popleft()
+        outputs, error = [], step.error
+        if error is None:
+            try:
+                outputs = self.engine.collect()
+            except Exception as exc:
+                error = step_failure(exc)
+        done = self.clock()
+        # The device time of a pipelined step: from when it could start (launched, and the
+        # one before it done) to its end.
+        seconds, self._last_done = done - max(step.at, self._last_done), done
+        self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events)
+
+    def _account(self, chunks: tuple[Chunk, ...], result: StepResult, now: float, events: list[Event]) -> None:
+        if result.error is not None:
+            for c in chunks:
+                if c.seq_id in self._active:  # (an earlier failed step may have ended it)
+                    self._end(c.seq_id)
+                    events.append(Failed(c.seq_id, result.error))
+            return
+        self.scheduler.on_step_done(chunks, (o.seq_id for o in result.outputs), now, result.seconds)
+        self._observe(chunks, result)
+        outputs = tuple(o for o in result.outputs if o.seq_id in self._active)  # not cancelled meanwhile
+        for out in outputs:
+            if out.finish_reason is not None:
+                # the engine forgot it already; only the pages and our records remain
+                self.scheduler.finish(out.seq_id)
+                self._active.discard(out.seq_id)
+        if outputs:
+            events.append(TokenBatch(outputs, now))
+
+    def _observe(self, chunks: tuple[Chunk, ...], result: StepResult) -> None:
+        """The step's time and shape. A pipelined plan names sequences that ended one step
+        before; the engine skips them, so only rows that gave a token count."""
+        sampled = {o.seq_id for o in result.outputs}
+        rows = sum(1 for c in chunks if c.num_tokens == 1 and c.seq_id in sampled)
+        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if rows or prefill:
+            self._steps.append(StepShape(result.seconds, rows, prefill))
+
+    def _flush_removals(self) -> None:
+        """Nothing runs: tell the engine now of the requests that ended, rather than with a next plan
+        that may be long in coming (an idle engine holds no ended sequence)."""
+        if not self._removed:
+            return
+        plan = StepPlan((), removed=tuple(self._removed))
+        self._removed = []
+        try:
+            self.engine.launch(plan)
+            self.engine.collect()
+        except Exception as exc:
+            step_failure(exc)
+
+    def _unblock(self, events: list[Event]) -> None:
+        """Nothing could be planned: free the pages stalled prefills hold, and fail a head that can never fit."""
+        released, head = self.scheduler.release_stalled()
+        self._reset.extend(released)
+        if head is None:
+            return
+        self._end(head.request_id)
+        if head.num_tokens > head.prompt_len:
+            # it generated until its tokens filled the whole pool: that is its length limit
+            events.append(Failed(head.request_id, "the KV cache is full", reason="length"))
+        else:
+            log.warning("request %s does not fit in the KV cache", head.request_id)
+            events.append(Failed(head.request_id, "the request does not fit in the KV cache"))
+
+    def _end(self, request_id: Hashable) -> None:
+        self.scheduler.finish(request_id)
+        self._active.discard(request_id)
+        unregistered = [n for n in self._added if n.seq_id == request_id]
+        if unregistered:  # the engine never saw it: nothing to forget
+            self._added.remove(unregistered[0])
+        else:
+            self._removed.append(request_id)
+
+
+def step_failure(exc: Exception) -> str:
+    """Log a step that raised; the error its requests end with (the engine's failure, not the server's)."""
+    log.exception("engine step failed")
+    return f"engine step failed: {type(exc).__name__}: {exc}"

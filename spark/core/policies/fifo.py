@@ -1,0 +1,17 @@
+"""FIFO: a fixed prefill budget per step, running sequences decode in arrival order."""
+
+from __future__ import annotations
+
+
+class Fifo:
+    def __init__(self, limits):
+        self.max_prefill_tokens = limits.max_prefill_tokens
+
+    def decode_order(self, running):
+        return list(running)
+
+    def prefill_budget(self, running, now: float, num_decodes: int) -> int:
+        return self.max_prefill_tokens
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        pass
