@@ -13,7 +13,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+    from spark.serve_config import REASONING_PARSER_CHOICES, SCHEDULER_POLICIES, TOOL_CALL_PARSER_CHOICES
 
     parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--device", default=None)
     srv.add_argument("--max-batch-size", type=int, default=None)
     srv.add_argument("--max-prefill-tokens", type=int, default=None)
-    srv.add_argument("--scheduler", choices=("fifo", "slai"), default=None)
+    srv.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=None)
     srv.add_argument("--scheduler-depth", type=int, default=None,
                      help="engine steps planned ahead (default 3)")
     srv.add_argument("--max-model-len", type=int, default=None)

@@ -14,8 +14,9 @@ import attrs
 import cattrs
 
 from spark import parsers
+from spark.core.policies import POLICIES
 
-POLICIES = ("fifo", "slai")
+SCHEDULER_POLICIES = tuple(POLICIES)  # the registry's names
 # The values of the parser settings (flags, SPARK_* variables, recipes): the registry's names, plus
 # "auto" (the format the chat template shows) and "none" (no parsing).
 TOOL_CALL_PARSER_CHOICES = ("auto", "none", *parsers.TOOL_PARSERS)
@@ -34,7 +35,7 @@ class ServeConfig:
     engine_process: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     max_batch_size: int = 64  # running sequences at most
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
-    scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(POLICIES))
+    scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(SCHEDULER_POLICIES))
     tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream
     # Engine steps planned ahead of their results; None: 3. More keeps the engine fed while the
     # scheduler's event loop is busy; each costs an ended sequence one more wasted row and a new

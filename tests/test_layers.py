@@ -39,7 +39,6 @@ LAYER_OF = {
     "control": "control",  # the slot: loads, switches and proxies recipes
     "state": "control",  # stored responses and conversations (trio), a service the HTTP app holds
     "http": "http",  # the API
-    "compaction": "http",  # shrinks an API conversation to fit; its callers are the API modules
     "cli": "cli",  # the `spark` command
     "chat": "cli",  # `spark chat`
     "cli_inference": "cli",  # `spark inference ...`, `spark recipe ...`

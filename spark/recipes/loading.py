@@ -169,6 +169,7 @@ def _semantic_problems(raw: dict, stem: str, draft: bool) -> list[tuple[str, str
             out.append(("$.upstream.api_key_env", f"{env!r} is not an environment variable name (the key itself "
                                                   "never goes in a recipe)"))
     out += _dummy_problems(sections["dummy"]) + _parser_problems(sections["parsers"])
+    out += _policy_problems(sections["scheduler"])
     out += _range_problems(sections)
     if raw.get("lifecycle") == "draft" and not draft:
         out.append(("$.lifecycle", "a draft belongs in recipes/drafts/"))
@@ -215,6 +216,17 @@ def _parser_problems(parsers) -> list[tuple[str, str]]:
         if isinstance(value, str) and value not in choices:
             out.append((f"$.parsers.{key}", f"unknown parser {value!r}; known: {', '.join(choices)}"))
     return out
+
+
+def _policy_problems(scheduler) -> list[tuple[str, str]]:
+    if not isinstance(scheduler, dict):
+        return []
+    from spark.serve_config import SCHEDULER_POLICIES
+
+    policy = scheduler.get("policy")
+    if isinstance(policy, str) and policy not in SCHEDULER_POLICIES:
+        return [("$.scheduler.policy", f"unknown policy {policy!r}; known: {', '.join(SCHEDULER_POLICIES)}")]
+    return []
 
 
 _MINIMA = {("context", "default"): 16, ("scheduler", "max_batch_size"): 1, ("scheduler", "max_prefill_tokens"): 1,

@@ -8,7 +8,7 @@ import re
 
 from spark.recipes.loading import DRAFTS
 from spark.recipes.schema import ENGINES
-from spark.serve_config import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+from spark.serve_config import REASONING_PARSER_CHOICES, SCHEDULER_POLICIES, TOOL_CALL_PARSER_CHOICES
 
 _SPARK = """\
 # Draft: edit it and run `spark recipe check`; to serve it by name, set lifecycle: testing and move it
@@ -24,7 +24,7 @@ context:
   default: 8192                     # context length (tokens)
   kv_dtype: auto                    # auto | bfloat16 | float16 | float32 (the KV cache shares the model dtype)
 scheduler:
-  policy: slai                      # slai | fifo
+  policy: slai                      # {policy_choices}
   max_batch_size: 64
 parsers:
   tool_call: auto                   # {tool_call_choices}
@@ -77,5 +77,6 @@ def scaffold(spec: str, engine: str, directory: str | os.PathLike, *, force: boo
     path.write_text(template.format(id=recipe_id, name=f"{lab}/{slug}", served=served, lab=lab, slug=slug,
                                     directory=pathlib.Path(directory).name or directory,
                                     tool_call_choices=" | ".join(TOOL_CALL_PARSER_CHOICES),
-                                    reasoning_choices=" | ".join(REASONING_PARSER_CHOICES)))
+                                    reasoning_choices=" | ".join(REASONING_PARSER_CHOICES),
+                                    policy_choices=" | ".join(SCHEDULER_POLICIES)))
     return path

@@ -31,7 +31,7 @@ class Context:
 
 @attrs.frozen
 class Scheduler:
-    policy: Literal["fifo", "slai"] | None = None  # None: the server's
+    policy: str | None = None  # a name in spark.core.policies.POLICIES; None: the server's
     max_batch_size: int | None = None
     max_prefill_tokens: int | None = None
 

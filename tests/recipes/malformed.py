@@ -58,6 +58,8 @@ MALFORMED: dict[str, tuple[str, list[str]]] = {
                              "dummy:\n  config:\n    layers: 2\n", ["$.dummy.config.layers: not a model config field"]),
     "unknown-parser.yaml": (_ok("unknown-parser", "parsers:\n  tool_call: json\n"),
                             ["$.parsers.tool_call: unknown parser 'json'"]),
+    "unknown-policy.yaml": (_ok("unknown-policy", "scheduler:\n  policy: lifo\n"),
+                            ["$.scheduler.policy: unknown policy 'lifo'; known: fifo, slai"]),
     "zero-batch.yaml": (_ok("zero-batch", "scheduler:\n  max_batch_size: 0\n"),
                         ["$.scheduler.max_batch_size: must be at least 1, got 0"]),
     "top-p.yaml": (_ok("top-p", "sampling:\n  top_p: 1.5\n"), ["$.sampling.top_p: must be in (0, 1], got 1.5"]),
