@@ -23,6 +23,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from spark.engine import chat_template as templating
 from spark.engine.chat_template import ChatTemplateError
 from spark.engine.errors import ModelLoadError
+from spark.parsers.hermes import CLOSE as HERMES_CLOSE, OPEN as HERMES_OPEN
+from spark.parsers.reasoning import THINK_CLOSE, THINK_OPEN
+from spark.parsers.xml_calls import MINIMAX, QWEN3_CODER
 
 __all__ = ["ChatTemplateError", "Tokenizer", "read_gguf_metadata"]
 
@@ -76,6 +79,11 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
+# The tags the output parsers find in generated text: decoding keeps them.
+PARSER_TAGS = frozenset({THINK_OPEN, THINK_CLOSE, HERMES_OPEN, HERMES_CLOSE,
+                         *(tag for d in (QWEN3_CODER, MINIMAX) for tag in (d.block_open, d.block_close))})
+
+
 class Tokenizer:
     """A model's tokenizer: encode, decode, and render chat prompts.
 
@@ -94,7 +102,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
-        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        added = backend.get_added_tokens_decoder()
+        # What skip_special_tokens leaves out: control tokens, but never the tags the output
+        # parsers read (<think>, <tool_call>, ...), whatever the vocabulary marks special.
+        self.special_ids = frozenset(i for i, t in added.items() if t.special and t.content not in PARSER_TAGS)
         strings = dict(special_token_strings or {})
         if bos_token_id is not None:
             strings.setdefault("bos_token", self.id_to_token(bos_token_id))
@@ -290,16 +301,17 @@ class Tokenizer:
           The text.
         """
         ids = list(ids)
+        if skip_special_tokens:  # ours, not the backend's: its idea of special includes parser tags
+            ids = [i for i in ids if i not in self.special_ids]
         if self._raw_pieces.keys().isdisjoint(ids):
-            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.backend.decode(ids, skip_special_tokens=False)
         parts, start = [], 0
         for n, i in enumerate(ids):
             if i in self._raw_pieces:
-                parts.append(self.backend.decode(ids[start:n], skip_special_tokens=skip_special_tokens))
-                if not (skip_special_tokens and i in self.special_ids):
-                    parts.append(self._raw_pieces[i])
+                parts.append(self.backend.decode(ids[start:n], skip_special_tokens=False))
+                parts.append(self._raw_pieces[i])
                 start = n + 1
-        parts.append(self.backend.decode(ids[start:], skip_special_tokens=skip_special_tokens))
+        parts.append(self.backend.decode(ids[start:], skip_special_tokens=False))
         return "".join(parts)
 
     # --- chat

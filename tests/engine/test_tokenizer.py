@@ -345,3 +345,25 @@ def test_token_text_escapes_partial_utf8_and_keeps_the_bytes(tok):
     assert "\ufffd" not in "".join(pieces)  # half an emoji is shown as \xNN escapes, not U+FFFD
     assert any("\\x" in p for p in pieces)
     assert bytes(b for p in pieces for b in token_bytes(p)) == text.encode()
+
+
+def test_skip_special_tokens_keeps_the_tags_the_parsers_read_whatever_the_vocabulary_marks():
+    """A vocabulary that marks <think>/</think> special (issue 18.6): skipping control tokens
+    must not strip them, or the answer lands in the reasoning."""
+    import tokenizers
+
+    from spark.engine.detokenizer import IncrementalDetokenizer
+    from spark.engine.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "plan": 1, "Answer": 2}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ("<think>", "</think>", "<|im_end|>")])
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), add_bos_token=False)
+    think, end_think, im_end = (tok.token_to_id(t) for t in ("<think>", "</think>", "<|im_end|>"))
+    ids = [think, 1, end_think, 2, im_end]
+    assert tok.decode(ids, skip_special_tokens=True).split() == ["<think>", "plan", "</think>", "Answer"]
+    assert "<|im_end|>" in tok.decode(ids)  # not skipping shows the control token too
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    streamed = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert streamed == tok.decode(ids, skip_special_tokens=True)
