@@ -14,6 +14,7 @@ import attrs
 import cattrs
 
 from spark import parsers
+from spark.core.faults import Faults
 from spark.core.policies import POLICIES
 
 SCHEDULER_POLICIES = tuple(POLICIES)  # the registry's names
@@ -37,9 +38,8 @@ class ServeConfig:
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(SCHEDULER_POLICIES))
     tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream
-    # Engine steps planned ahead of their results; None: 3. More keeps the engine fed while the
-    # scheduler's event loop is busy; each costs an ended sequence one more wasted row and a new
-    # request one more step before its prefill.
+    # Engine steps launched ahead of their results; None: 2 (the host prepares step N+1 while the
+    # device runs N). Each more costs an ended sequence one more wasted row.
     scheduler_depth: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(1)))
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
@@ -73,6 +73,9 @@ class ServeConfig:
     switch_grace_s: float = 30.0  # how long in-flight requests may finish before a switch cuts them off
     admin_key: str | None = None  # Bearer key of /api/inference/*; required there once any key is configured
     activity_log_path: str | None = None  # one JSON line per generation request; None: no log
+    # Faults on purpose, for tests and drills (spark.core.faults): "step=3,7;request=5" makes the 3rd
+    # and 7th engine steps raise and every 5th request fail; "" (the default): none.
+    faults: str = attrs.field(default="", validator=lambda _, __, value: Faults.parse(value))
     activity_log_max_bytes: int = 50 << 20  # rotated by size...
     activity_log_max_age_s: float = 7 * 24 * 3600.0  # ...and by age
     usage_path: str | None = None  # token counters per recipe, kept across restarts; None: in memory only

@@ -30,6 +30,7 @@ from spark.actors.channels import take_waiting
 from spark.actors.messages import Admit, Cancel, Out, StreamOpen, Submission
 from spark.core.core import DEFAULT_DEPTH, Core
 from spark.core.events import CoreMetrics, Opened, TokenBatch
+from spark.core.faults import Faults
 from spark.core.interfaces import StepEngine
 from spark.core.policies import Limits, make_policy
 from spark.core.scheduler import Scheduler
@@ -47,7 +48,8 @@ def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], flo
     limits = Limits(max_prefill_tokens=config.max_prefill_tokens, tbt_deadline=config.tbt_deadline_ms / 1000.0)
     scheduler = Scheduler(engine.new_page_allocator(), make_policy(config.scheduler, limits),
                           max_batch_size=config.max_batch_size)
-    return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock)
+    return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
+                faults=Faults.parse(config.faults))
 
 
 # -- the core's side ------------------------------------------------------------------------------

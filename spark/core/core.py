@@ -22,6 +22,7 @@ from typing import Callable, Hashable, Sequence
 import attrs
 
 from spark.core.events import CoreMetrics, Event, Failed, Opened, StepShape, TokenBatch
+from spark.core.faults import Faults, InjectedFault
 from spark.core.interfaces import StepEngine
 from spark.core.plan import Chunk, NewSequence, StepPlan, StepResult
 from spark.core.scheduler import Scheduler, SeqState
@@ -47,11 +48,16 @@ class Core:
         scheduler: owns the queues, the pages and the policy.
         depth: steps launched at once (1: no overlap of host and device).
         clock: seconds, for arrivals, deadlines and step times (a fake one in simulations).
+        faults: steps to raise and requests to fail on purpose (``spark.core.faults``).
     """
 
     def __init__(self, engine: StepEngine, scheduler: Scheduler, *, depth: int = DEFAULT_DEPTH,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, faults: Faults = Faults()):
         self.engine, self.scheduler = engine, scheduler
+        self.faults = faults
+        self._launches = 0
+        self._admissions = 0
+        self._doomed: set[Hashable] = set()  # requests a fault fails at their first result
         self.depth = max(1, depth)
         self.clock = clock
         self._pending: dict[Hashable, tuple[NewSequence, float]] = {}  # submitted, not admitted: (sequence, arrival)
@@ -77,8 +83,8 @@ class Core:
 
     @property
     def busy(self) -> bool:
-        """Whether a ``step`` has anything to do."""
-        return bool(self._pending or self._active or self._inflight)
+        """Whether a ``step`` has anything to do (telling the engine of ended requests included)."""
+        return bool(self._pending or self._active or self._inflight or self._removed)
 
     @property
     def num_inflight(self) -> int:
@@ -129,6 +135,9 @@ class Core:
             request_id = next(iter(self._pending))
             new, arrival = self._pending.pop(request_id)
             self._active.add(request_id)
+            self._admissions += 1
+            if self.faults.every_nth_request and self._admissions % self.faults.every_nth_request == 0:
+                self._doomed.add(request_id)
             self._added.append(new)
             n = len(new.prompt_ids)
             self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n))
@@ -148,7 +157,10 @@ class Core:
         plan = StepPlan(tuple(chunks), tuple(self._added), tuple(self._removed), tuple(self._reset))
         self._added, self._removed, self._reset = [], [], []
         at = self.clock()
+        self._launches += 1
         try:
+            if self._launches in self.faults.steps:
+                raise InjectedFault(f"step {self._launches} was told to fail (faults)")
             self.engine.launch(plan)
             error = None
         except Exception as exc:
@@ -179,6 +191,11 @@ class Core:
             return
         self.scheduler.on_step_done(chunks, (o.seq_id for o in result.outputs), now, result.seconds)
         self._observe(chunks, result)
+        for doomed in [o.seq_id for o in result.outputs if o.seq_id in self._doomed]:
+            self._doomed.discard(doomed)
+            if doomed in self._active:
+                self._end(doomed)
+                events.append(Failed(doomed, "the request was told to fail (faults)"))
         outputs = tuple(o for o in result.outputs if o.seq_id in self._active)  # not cancelled meanwhile
         for out in outputs:
             if out.finish_reason is not None:
@@ -227,6 +244,7 @@ class Core:
     def _end(self, request_id: Hashable) -> None:
         self.scheduler.finish(request_id)
         self._active.discard(request_id)
+        self._doomed.discard(request_id)
         unregistered = [n for n in self._added if n.seq_id == request_id]
         if unregistered:  # the engine never saw it: nothing to forget
             self._added.remove(unregistered[0])
