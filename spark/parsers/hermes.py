@@ -4,8 +4,10 @@ Used by Qwen2.5/Qwen3, Hermes and many others. A block closes at the first
 `</tool_call>` that is not inside a JSON string, so a string argument may contain the
 closing tag. The block becomes a call only if its body is a JSON object with a string
 `name` and an object `arguments` (or `parameters`, or a JSON string holding an object);
-anything else, including a block still open at the end, is given back as content.
-The arguments stream in one fragment, when the block closes.
+anything else is given back as content. A block still open at the end of the output is a
+call when its whole body is one (the model forgot `</tool_call>`), else content; one still
+open when the next `<tool_call>` comes is content. The arguments stream in one fragment,
+when the block closes.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class HermesStream(TextMachine):
             j = first_non_space(buf, i)
             if j < 0:
                 self._keep(n)
-                return self._give_up() if final else False
+                return self._give_up() if final else False  # only whitespace: no call
             if buf[j] != "{":  # not JSON: the open tag was just text
                 self._keep(j)
                 return self._give_up()
@@ -94,7 +96,7 @@ class HermesStream(TextMachine):
                 return True
             return self._give_up()  # a new block opens: this one was never closed
         self._keep(n if final else i)
-        return self._give_up() if final else False
+        return self._close_at_end() if final else False
 
     def _keep(self, upto: int) -> None:
         self._body.append(self._buf[self._pos:upto])
@@ -105,6 +107,14 @@ class HermesStream(TextMachine):
         self._in_block = False
         return True
 
+    def _close_at_end(self) -> bool:
+        call = _parse_call("".join(self._body))
+        if call is None:
+            return self._give_up()
+        self._in_block = False
+        self._emit_call(*call)
+        return True
+
     def _close(self) -> None:
         self._in_block = False
         body = "".join(self._body)
@@ -112,7 +122,9 @@ class HermesStream(TextMachine):
         if call is None:
             self._content.text(OPEN + body + CLOSE)
             return
-        name, arguments = call
+        self._emit_call(*call)
+
+    def _emit_call(self, name: str, arguments: dict[str, Any]) -> None:
         self._content.boundary()
         index, call_id = self._calls.start()
         self._sink.tool(index, call_id, name, canonical_arguments(arguments))

@@ -6,7 +6,10 @@ Rules, in the order a reader meets them:
   thinking is off): it yields no reasoning.
 - Whitespace right after `</think>` is dropped (templates put "\\n\\n" there).
 - A block still open at the end runs to the end.
-- When the chat template already opened the block in the prompt, the output starts inside it.
+- When the chat template already opened the block in the prompt, the output starts inside it;
+  a `<think>` the model writes anyway as its first non-whitespace text is dropped, with the
+  whitespace before it, so the parse is that of the same text with the block not pre-opened.
+  A later `<think>` inside the block is text, as in any block.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class ThinkStream(TextMachine):
         self._reasoning: list[str] = []
         self._content_parts: list[str] = []
         self._held = ""  # the whitespace a block starts with, until we know it is not empty
+        self._reopen = prompt_ends_in_thinking  # a first `<think>` of the model's own is dropped
 
     def _step(self, final: bool) -> bool:
         return self._state(final)
@@ -60,10 +64,13 @@ class ThinkStream(TextMachine):
         self._pos = upto
         if j < 0:
             return False  # at the end a whitespace-only block gives nothing
-        tag = tag_at(self._buf, j, (THINK_CLOSE,), final)
+        tag = tag_at(self._buf, j, (THINK_CLOSE, THINK_OPEN) if self._reopen else (THINK_CLOSE,), final)
         if tag is MORE:
             return False
-        if tag is None:
+        self._reopen = False
+        if tag == THINK_OPEN:  # the template's block, reopened by the model: start it afresh
+            self._pos += len(tag)
+        elif tag is None:
             self._emit_reasoning(self._held)
             self._state = self._think
         else:

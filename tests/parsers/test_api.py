@@ -61,6 +61,25 @@ def test_reasoning_and_xml_hold_back():
     assert stream.feed("er") == [ReasoningDelta("</thinker")]
 
 
+def test_hermes_unclosed_call_is_sent_at_flush():
+    stream = tool_parser("hermes", id_prefix="call_u").stream()
+    assert stream.feed('<tool_call>\n{"name": "ping", ') == []
+    assert stream.feed('"arguments": {}}') == []  # a </tool_call> may still come
+    assert stream.flush() == [ToolCallDelta(0, "call_u00000000", "ping", "{}")]
+    result = stream.finish()
+    assert (result.content, [(c.name, c.arguments) for c in result.tool_calls]) == ("", [("ping", {})])
+
+
+def test_reopened_think_split_across_deltas():
+    stream = reasoning_parser("think", prompt_ends_in_thinking=True).stream()
+    assert stream.feed("<thi") == []
+    assert stream.feed("nk>\nplan") == [ReasoningDelta("\nplan")]
+    assert stream.feed("\n</think>\n\nAnswer") == [ReasoningDelta("\n"), ContentDelta("Answer")]
+    result = stream.finish()
+    assert (result.reasoning, result.content) == ("\nplan\n", "Answer")
+    assert result == reasoning_parser("think").parse("<think>\nplan\n</think>\n\nAnswer")
+
+
 def test_qwen3_coder_streams_each_parameter():
     parser = tool_parser("qwen3_coder", TOOLS, id_prefix="call_a")
     stream = parser.stream()
