@@ -15,8 +15,12 @@ import logging
 import os
 import pathlib
 import time
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from spark.actors.messages import RequestOutput
 
 log = logging.getLogger("spark.control")
 
@@ -54,6 +58,12 @@ class Tally:
 
     def observe(self, generation_id: str, output_tokens: int) -> None:
         self._outputs[generation_id] = max(output_tokens, self._outputs.get(generation_id, 0))
+
+    def count(self, piece: RequestOutput) -> None:
+        """A piece of one of the request's generations: its tokens so far, and why it failed if it did."""
+        self.observe(piece.request_id, piece.num_output_tokens)
+        if piece.finish_reason == "error" and piece.error:
+            self.error = piece.error
 
     def set_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
         self._usage = (int(prompt_tokens), int(completion_tokens))

@@ -1,9 +1,9 @@
 """A spark-engine recipe loaded in this process: the engine, its actor system, the generations it serves.
 
-The HTTP routes hold a ``LocalModel`` where they held the ``SparkSystem``: it has the
-same surface (``submit``, ``tokenizer``, ``config``, ``metrics``, ...) but counts every
-stream it hands out, so that a switch can stop admitting, wait for the streams to
-finish, and past a grace period end the rest with an error piece the client sees.
+The HTTP routes hold a ``LocalModel`` as their ``ServedModel`` (``spark.control.served``): it
+passes ``submit`` on to the actor system but counts every stream it hands out, so that a
+switch can stop admitting, wait for the streams to finish, and past a grace period end the
+rest with an error piece the client sees.
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import trio
 
 from spark.actors.ingress import SubmitError
 from spark.actors.messages import GenerateRequest, RequestOutput
-from spark.control.activity import Tally
+from spark.actors.system import SparkSystem, open_system
+from spark.control.served import GenerationStream, ServedModel
+from spark.core.interfaces import LoadedEngine
+from spark.engine.tokenizer import Tokenizer
+from spark.metrics import Metrics
 from spark.recipes.schema import Recipe
 from spark.recipes.serving import engine_dtype, recipe_config
 from spark.serve_config import ServeConfig
@@ -25,7 +29,8 @@ from spark.serve_config import ServeConfig
 log = logging.getLogger("spark.control")
 
 
-async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_config=None, dtype=None):
+async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_config=None,
+                      dtype=None) -> LoadedEngine:
     """Load ``model`` (by default ``config.model``) in a worker thread, so the event loop keeps running:
     in this process, or in an engine process of its own (``config.uses_engine_process()``).
 
@@ -38,7 +43,7 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     kwargs = dict(device=config.device, page_size=config.page_size, kv_cache_bytes=config.kv_cache_bytes,
                   max_model_len=config.max_model_len)
     kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype)) if v is not None})
-    if getattr(config, "uses_engine_process", lambda: False)():
+    if config.uses_engine_process():
         from spark.actors.engine_process import EngineProcess
 
         load = functools.partial(EngineProcess.start, model, graphs_max_batch=config.max_batch_size, **kwargs)
@@ -47,14 +52,12 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     return await trio.to_thread.run_sync(load, abandon_on_cancel=True)  # Ctrl-C need not wait for it
 
 
-class LocalModel:
+class LocalModel(ServedModel):
     """One loaded recipe. ``host`` runs its actor system; ``submit`` is the routes' way in."""
 
-    def __init__(self, recipe: Recipe, config: ServeConfig, engine, *,
-                 current_tally: Callable[[], Tally | None] = lambda: None):
-        self.recipe, self.config, self.engine = recipe, config, engine
-        self.system = None  # the SparkSystem, while hosted
-        self.current_tally = current_tally  # the running HTTP request's tally, when there is one
+    def __init__(self, recipe: Recipe, config: ServeConfig, engine: LoadedEngine):
+        self.recipe, self._config, self.engine = recipe, config, engine
+        self.system: SparkSystem | None = None  # while hosted
         self.admitting = True
         self.eviction: str | None = None  # set when the open streams are cut off: the error they end with
         self._streams: set[CountedStream] = set()
@@ -64,7 +67,7 @@ class LocalModel:
         self.closed = trio.Event()
 
     @classmethod
-    async def load(cls, recipe: Recipe, base: ServeConfig, *, engine=None, **kw) -> "LocalModel":
+    async def load(cls, recipe: Recipe, base: ServeConfig, *, engine: LoadedEngine | None = None) -> LocalModel:
         """Load the recipe's weights in a worker thread (``engine``: already loaded, e.g. by a test).
 
         Raises:
@@ -74,16 +77,14 @@ class LocalModel:
         if engine is None:
             model, dummy = recipe.load_spec()
             engine = await load_engine(config, model=model, dummy_config=dummy, dtype=engine_dtype(recipe))
-        return cls(recipe, config, engine, **kw)
+        return cls(recipe, config, engine)
 
-    async def host(self, on_failure: Callable[["LocalModel", BaseException], None], *,
+    async def host(self, on_failure: Callable[[LocalModel, BaseException], None], *,
                    task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Open the actor system (its preflight included) and serve until ``close``.
 
         A failure before ``started`` raises to the starter; after it, ``on_failure`` hears of it.
         """
-        from spark.actors.system import open_system
-
         started = False
         try:
             async with open_system(self.engine, self.config, served_name=self.recipe.served_name) as system:
@@ -108,11 +109,10 @@ class LocalModel:
     async def release(self) -> None:
         """Drop the engine and give its memory back (the GPU's too). Shielded: it must finish."""
         engine, self.engine, self.system = self.engine, None, None
+        if engine is None:  # released already
+            return
         with trio.CancelScope(shield=True):
-            if hasattr(engine, "close"):  # an EngineProcess: its process exits, and its memory with it
-                await trio.to_thread.run_sync(engine.close)
-        if hasattr(engine, "unload"):
-            engine.unload()
+            await trio.to_thread.run_sync(engine.close)  # an engine process exits, its memory with it
         del engine
         gc.collect()  # the model's modules hold reference cycles
         import torch
@@ -120,34 +120,43 @@ class LocalModel:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    # -- the SparkSystem surface the routes use ------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.system.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.system.max_model_len
-
-    @property
-    def metrics(self):
-        return self.system.metrics
-
+    # -- ServedModel ---------------------------------------------------------------------------
     @property
     def served_name(self) -> str:
         return self.recipe.served_name
 
     @property
+    def config(self) -> ServeConfig:
+        return self._config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._hosted().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._hosted().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return min(self.tokenizer.vocab_size, self.engine.vocab_size)  # ids both sides know
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, float]:
+        return self.recipe.sampling.defaults()
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._hosted().metrics
+
+    @property
     def ready(self) -> bool:
         return self.system is not None and self.system.ready and self.admitting
 
-    def __getattr__(self, name: str):
-        system = self.__dict__.get("system")  # whatever else a route asks the SparkSystem for
-        if system is None:
-            raise AttributeError(name)
-        return getattr(system, name)
+    def new_request_id(self, prefix: str = "req") -> str:
+        return self._hosted().new_request_id(prefix)
 
-    def submit(self, request: GenerateRequest) -> "CountedStream":
+    def submit(self, request: GenerateRequest) -> CountedStream:
         """``SparkSystem.submit``, counted; refused with 503 once a switch has begun.
 
         Raises:
@@ -156,14 +165,15 @@ class LocalModel:
         if not self.admitting or self.system is None:
             raise SubmitError(503, "model_switching", f"{self.recipe.served_name} is being unloaded; retry shortly",
                               retry_after=2.0)
-        inner = self.system.submit(request)
-        tally = self.current_tally()
-        if tally is not None:
-            tally.add_prompt(request.prompt_ids)
-        stream = CountedStream(inner, self, tally)
+        stream = CountedStream(self.system.submit(request), self)
         self._streams.add(stream)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         return stream
+
+    def _hosted(self) -> SparkSystem:
+        if self.system is None:
+            raise RuntimeError(f"{self.recipe.id} is not hosted (not up yet, or released)")
+        return self.system
 
     # -- draining -----------------------------------------------------------------------------
     @property
@@ -185,23 +195,23 @@ class LocalModel:
             return 0.0
         return self.system.metrics.registry.get_sample_value("spark_kv_pages_used") or 0.0
 
-    def _forget(self, stream: "CountedStream") -> None:
+    def _forget(self, stream: CountedStream) -> None:
         self._streams.discard(stream)
         if not self._streams:
             self._idle.set()
 
 
-class CountedStream:
-    """A ``RequestStream`` that its model can cut off, and that tallies tokens for the activity log."""
+class CountedStream(GenerationStream):
+    """A ``RequestStream`` that its model counts while it is open, and can cut off."""
 
-    def __init__(self, inner, owner: LocalModel, tally: Tally | None):
+    def __init__(self, inner: GenerationStream, owner: LocalModel):
         self.request_id = inner.request_id
-        self._inner, self._owner, self._tally = inner, owner, tally
+        self._inner, self._owner = inner, owner
         self._waiting: trio.CancelScope | None = None
         self._last = 0  # output tokens so far
         self.finished = False
 
-    async def __aenter__(self) -> "CountedStream":
+    async def __aenter__(self) -> CountedStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -217,7 +227,7 @@ class CountedStream:
         if self._waiting is not None:
             self._waiting.cancel()
 
-    def __aiter__(self) -> "CountedStream":
+    def __aiter__(self) -> CountedStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -236,17 +246,11 @@ class CountedStream:
         if piece is not None:
             return self._seen(piece)
         self.finished = True  # cut off: the request is cancelled when the reader closes the stream
-        if self._tally is not None:
-            self._tally.error = self._owner.eviction
         return RequestOutput(self.request_id, "", (), finish_reason="error", error=self._owner.eviction,
                              num_output_tokens=self._last)
 
     def _seen(self, piece: RequestOutput) -> RequestOutput:
         self._last = piece.num_output_tokens or self._last
-        if self._tally is not None:
-            self._tally.observe(self.request_id, self._last)
-            if piece.finish_reason == "error" and piece.error:
-                self._tally.error = piece.error
         if piece.finish_reason is not None:
             self.finished = True
         return piece

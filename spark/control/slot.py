@@ -30,10 +30,12 @@ from typing import Callable
 
 import trio
 
-from spark.control.activity import ActivityLog, Tally
+from spark.actors.ingress import SubmitError
+from spark.control.activity import ActivityLog
 from spark.control.local import LocalModel
 from spark.control.upstream import Upstreams
 from spark.control.usage import UsageCounters
+from spark.core.interfaces import LoadedEngine
 from spark.recipes.loading import Catalog
 from spark.recipes.schema import RESERVED_NAMES, Recipe
 from spark.recipes.serving import unavailable_reason
@@ -46,12 +48,9 @@ PAGES_FREE_WAIT_S = 2.0  # for the scheduler to free the pages of cancelled requ
 DEFAULT_LOAD_S = {"spark": 5.0, "upstream": 1.0}  # Retry-After guess before a recipe's first load
 
 
-class Refusal(Exception):
-    """A request the slot cannot serve now: the HTTP layer answers ``status`` (+ ``Retry-After``)."""
-
-    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+#: A request the slot cannot serve now (``status``, ``code``, ``message``, ``retry_after``): the refusal
+#: the actor system gives, so that the HTTP layer turns both into its error the same way.
+Refusal = SubmitError
 
 
 class Slot:
@@ -64,13 +63,12 @@ class Slot:
       engine: an engine already loaded for the recipe active at start (tests, ``spark serve --model``).
       activity: where request lines go (None: nowhere).
       usage: token counters per recipe.
-      current_tally: the running HTTP request's tally (for token counts), when there is one.
     """
 
     def __init__(self, catalog: Catalog, config: ServeConfig, *,
-                 publish: Callable[[LocalModel | None], None] = lambda model: None, engine=None,
-                 activity: ActivityLog | None = None, usage: UsageCounters | None = None,
-                 current_tally: Callable[[], Tally | None] = lambda: None):
+                 publish: Callable[[LocalModel | None], None] = lambda model: None,
+                 engine: LoadedEngine | None = None,
+                 activity: ActivityLog | None = None, usage: UsageCounters | None = None):
         self.catalog, self.config = catalog, config
         self.activity, self.usage = activity, usage or UsageCounters()
         self.upstreams = Upstreams()
@@ -83,7 +81,7 @@ class Slot:
         self.last_unload: dict | None = None
         self.load_seconds: dict[str, float] = {}
         self.events: collections.deque[dict] = collections.deque(maxlen=200)
-        self._publish, self._preloaded, self._current_tally = publish, engine, current_tally
+        self._publish, self._preloaded = publish, engine
         self._nursery: trio.Nursery | None = None
         self._switch_started = 0.0
         self._switch_grace = 0.0
@@ -142,7 +140,7 @@ class Slot:
         if self.switching:
             if self.target is recipe:
                 return self._switched
-            raise Refusal(409, f"a switch to {self.target.id} is in progress", "switch_in_progress",
+            raise Refusal(409, "switch_in_progress", f"a switch to {self.target.id} is in progress",
                           retry_after=self.eta())
         if self.state == "active" and self.active is recipe:
             done = trio.Event()
@@ -150,8 +148,8 @@ class Slot:
             return done
         reason = unavailable_reason(recipe)
         if reason is not None:
-            raise Refusal(503, f"model {recipe.served_name!r} (recipe {recipe.id}) is unavailable here: {reason}",
-                          "model_unavailable")
+            raise Refusal(503, "model_unavailable",
+                          f"model {recipe.served_name!r} (recipe {recipe.id}) is unavailable here: {reason}")
         self._begin(recipe, grace_s=self.config.switch_grace_s if grace_s is None else grace_s)
         self._nursery.start_soon(self._switch, recipe)
         return self._switched
@@ -163,7 +161,7 @@ class Slot:
             Refusal: 409 while a switch runs.
         """
         if self.switching:
-            raise Refusal(409, f"a switch to {self.target.id} is in progress", "switch_in_progress",
+            raise Refusal(409, "switch_in_progress", f"a switch to {self.target.id} is in progress",
                           retry_after=self.eta())
         self._begin(None, grace_s=self.config.switch_grace_s if grace_s is None else grace_s)
         self._nursery.start_soon(self._switch, None)
@@ -219,12 +217,12 @@ class Slot:
                             "still_open": model.open_streams, "kv_pages_in_use": pages}
         self._event("unloaded", old.id, f"{cut} generation(s) cut off, {int(pages)} KV page(s) in use at close")
 
-    async def _bring_up(self, recipe: Recipe, *, engine=None) -> None:
+    async def _bring_up(self, recipe: Recipe, *, engine: LoadedEngine | None = None) -> None:
         self.target = recipe
         self._set_state("loading")
         t0 = time.monotonic()
         if recipe.engine == "spark":
-            model = await LocalModel.load(recipe, self.config, engine=engine, current_tally=self._current_tally)
+            model = await LocalModel.load(recipe, self.config, engine=engine)
             try:
                 await self._nursery.start(model.host, self._on_model_failure)
             except BaseException:
@@ -268,29 +266,30 @@ class Slot:
         if recipe is None and self.target is not None and name in self.target.names:
             recipe = self.target  # a draft brought up by id answers to its names
         if recipe is None:
-            raise Refusal(404, f"model {name!r} does not exist; known: {', '.join(self.known_names()) or 'none'}",
-                          "model_not_found")
+            raise Refusal(404, "model_not_found",
+                          f"model {name!r} does not exist; known: {', '.join(self.known_names()) or 'none'}")
         if recipe.engine == "upstream":
             return recipe  # proxied at once: the slot is not involved
         if self.switching:
             what = "loading" if self.target is recipe else f"busy switching to {self.target.served_name}"
-            raise Refusal(503, f"model {name!r} is not ready: the server is {what}; retry shortly",
-                          "model_loading", retry_after=self.eta())
+            raise Refusal(503, "model_loading", f"model {name!r} is not ready: the server is {what}; retry shortly",
+                          retry_after=self.eta())
         if not self.config.switch_on_demand:
             active = self.active.served_name if self.active else "none"
-            raise Refusal(400, f"model {name!r} is not active (the active model is {active!r}) and switching on "
-                               f"demand is off: an admin can run `spark inference up {recipe.id}`", "model_not_active")
+            raise Refusal(400, "model_not_active",
+                          f"model {name!r} is not active (the active model is {active!r}) and switching on "
+                          f"demand is off: an admin can run `spark inference up {recipe.id}`")
         self.switch_to(recipe)
-        raise Refusal(503, f"model {name!r} is loading (switching from "
-                           f"{self.active.served_name if self.active else 'nothing'}); retry shortly",
-                      "model_loading", retry_after=self.eta())
+        raise Refusal(503, "model_loading", f"model {name!r} is loading (switching from "
+                      f"{self.active.served_name if self.active else 'nothing'}); retry shortly",
+                      retry_after=self.eta())
 
     def _not_ready(self) -> Refusal:
         if self.switching:
-            return Refusal(503, f"the server is switching to {self.target.served_name}; retry shortly",
-                           "model_loading", retry_after=self.eta())
+            return Refusal(503, "model_loading", f"the server is switching to {self.target.served_name}; retry shortly",
+                           retry_after=self.eta())
         why = f" (the last load failed: {self.error})" if self.state == "failed" else ""
-        return Refusal(503, f"no model is active{why}: name one, or run `spark inference up <id>`", "no_active_model")
+        return Refusal(503, "no_active_model", f"no model is active{why}: name one, or run `spark inference up <id>`")
 
     def known_names(self) -> list[str]:
         return [n for r in self.catalog.enabled for n in r.names]

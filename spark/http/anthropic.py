@@ -10,30 +10,28 @@ malformed JSON, ...) has Anthropic's shape ``{"type": "error", "error": {"type",
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import secrets
+from contextlib import aclosing
 from typing import Any
 
 import attrs
-import trio
-from quart import Blueprint, Response, current_app, g, request
+from quart import Blueprint, Response, g, request
 
-from spark.actors.messages import GenerateRequest
-from spark.http.compaction import answer_reserve, prepare_fitting_turn
-from spark.engine.sampling import SamplingParams
+from spark.http import spine
 from spark.http.errors import ApiError
-from spark.http.formatting import SSE_HEADERS
-from spark.http.params import check_model, stop_strings
+from spark.http.fanin import FanIn
+from spark.http.gateway import generates
+from spark.http.params import sampling_params, single_job, stop_strings
 from spark.http.schemas import parse_body
+from spark.http.spine import Serving
 from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, ToolCallDelta, ToolChoice, TurnDone,
-                             chat_format, run_turn)
+                             TurnParser, collect_turn, turn_events)
 
 bp = Blueprint("anthropic", __name__)
 log = logging.getLogger("spark.http")
 PREFIX = "/v1/messages"
-COMPACTION_HEADER = "X-Spark-Compaction"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error"}
@@ -220,71 +218,36 @@ def turn_kwargs(req: CountTokensRequest) -> dict:
             "enable_thinking": enable, "thinking_budget": budget}
 
 
-async def prepare(req: CountTokensRequest, max_tokens: int | None):
-    """Render the request's turn, compacted to fit; returns ``(system, PreparedTurn, stage)``."""
-    state = current_app.extensions["spark"]
-    system, limits = state.system, state.limits
-    if system is None:
-        raise ApiError(503, "the server is not ready: the model is loading (or the engine failed)",
-                       code="not_ready", retry_after=1)
-    check_model(req.model, limits.served_name)
-    kwargs = turn_kwargs(req)
-    reserve = answer_reserve(limits.max_model_len, max_tokens, limits.default_max_tokens)
-    render = functools.partial(prepare_fitting_turn, system.tokenizer, chat_format(system.config, system.tokenizer),
-                               max_model_len=limits.max_model_len, reserve=reserve, **kwargs)
-    turn, stage = await trio.to_thread.run_sync(render)
-    return system, turn, stage
-
-
 # -- routes ----------------------------------------------------------------------------
 
 
-@bp.post(PREFIX + "/count_tokens")
-async def count_tokens():
+@generates(bp, PREFIX + "/count_tokens", logged=False)  # names a model, generates nothing
+async def count_tokens(serving: Serving):
     req = parse_body(await request.get_data(), CountTokensRequest)
-    _, turn, stage = await prepare(req, req.max_tokens)
-    return _with_stage({"input_tokens": len(turn.prompt.prompt_ids)}, stage)
+    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **turn_kwargs(req))
+    return spine.answer({"input_tokens": len(turn.prompt.prompt_ids)}, stage)
 
 
-@bp.post(PREFIX)
-async def create_message():
+@generates(bp, PREFIX)
+async def create_message(serving: Serving):
     req = parse_body(await request.get_data(), MessagesRequest)
-    if req.max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k")}
+    params = sampling_params(serving.limits, given, max_tokens=req.max_tokens)
     stops = stop_strings(req.stop_sequences)
-    system, turn, stage = await prepare(req, req.max_tokens)
-    given = {k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(req, k)) is not None}
-    limits = current_app.extensions["spark"].limits  # read once: a profile switch may clear it meanwhile
-    if limits is None:
-        raise ApiError(503, "the model is switching; retry shortly", code="model_loading", retry_after=2)
-    try:  # the recipe's sampling defaults for what the request leaves out
-        params = SamplingParams(**{**dict(limits.sampling_defaults), **given},
-                                max_tokens=req.max_tokens)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
-    prompt = turn.prompt.prompt_ids
-    room = limits.max_model_len - len(prompt)
-    mid = f"msg_{secrets.token_hex(12)}"
-    generate = GenerateRequest(mid, prompt, attrs.evolve(turn.sampling(params), max_tokens=min(req.max_tokens, room)),
-                               stop=stops, api_key=g.api_key)
-    events = run_turn(system, generate, turn.parser(id_prefix=f"toolu_{secrets.token_hex(8)}"))
-    head = {"id": mid, "type": "message", "role": "assistant", "model": system.served_name}
-    if req.stream:
-        response = Response(_stream(head, len(prompt), events), content_type="text/event-stream",
-                            headers=SSE_HEADERS | ({COMPACTION_HEADER: stage} if stage else {}))
-        response.timeout = None
-        return response
-    done = await events.collect()
+    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **turn_kwargs(req))
+    prompt, mid = turn.prompt.prompt_ids, f"msg_{secrets.token_hex(12)}"
+    job = single_job(mid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), stop=stops,
+                     api_key=g.api_key)
+    parser = turn.parser(id_prefix=f"toolu_{secrets.token_hex(8)}")
+    fanin = await spine.submit(serving, job)
+    head = {"id": mid, "type": "message", "role": "assistant", "model": serving.model.served_name}
+    if job.stream:
+        return spine.sse(_stream(head, len(prompt), fanin, parser), stage)
+    done = await collect_turn(fanin, parser)
     if done.error is not None:
         raise done.error
-    return _with_stage({**head, "content": content_blocks(done), **stop_fields(done),
-                        "usage": {"input_tokens": len(prompt), "output_tokens": done.usage.completion_tokens}}, stage)
-
-
-def _with_stage(body: dict, stage: str | None):
-    if stage is None:
-        return body
-    return {**body, "spark_compaction": stage}, 200, {COMPACTION_HEADER: stage}
+    return spine.answer({**head, "content": content_blocks(done), **stop_fields(done),
+                         "usage": {"input_tokens": len(prompt), "output_tokens": done.usage.completion_tokens}}, stage)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -366,13 +329,13 @@ class BlockStream:
         return sse("content_block_delta", {"index": self.index, "delta": delta})
 
 
-async def _stream(head: dict, prompt_tokens: int, events):
+async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnParser):
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
     yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                             "usage": usage}}) + sse("ping", {})
     blocks = BlockStream()
     try:
-        async with events:
+        async with aclosing(turn_events(fanin, parser)) as events:
             async for event in events:  # the SSE events of one turn event go out in one write
                 if not isinstance(event, TurnDone):
                     chunks = blocks.feed(event)
@@ -388,6 +351,8 @@ async def _stream(head: dict, prompt_tokens: int, events):
     except Exception as exc:  # the server failed mid-stream: say so rather than cut the stream
         log.exception("message %s failed", head["id"])
         yield sse("error", anthropic_error(500, f"internal error: {type(exc).__name__}: {exc}"))
+    finally:
+        fanin.close()
 
 
 # -- errors and auth ----------------------------------------------------------------------

@@ -5,6 +5,9 @@ The slot (``spark.control.slot``) lives in a task of the app's lifespan nursery
 recipes, and tells this module which model the routes use (``_publish``). Without
 recipe settings the server's one model is an implicit recipe, loaded at start-up
 as before. The slot is closed before hypercorn exits.
+
+Each request gets a nursery of its own for its generations (``_Connection``), open
+until its response body has been sent, or the client has gone.
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ import attrs
 import trio
 from quart import g, request
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGILifespan
+from quart_trio.asgi import TrioASGIHTTPConnection, TrioASGILifespan
+from quart_trio.wrappers import TrioRequest
 
+from spark.control.activity import ActivityLog
+from spark.control.local import LocalModel
+from spark.control.local import load_engine as load
+from spark.control.served import ServedModel
+from spark.control.slot import Slot
+from spark.control.usage import UsageCounters
+from spark.core.interfaces import LoadedEngine
 from spark.http import admin, anthropic, errors, gateway, responses, routes
 from spark.http.errors import ApiError
+from spark.http.fanin import Generations
 from spark.http.params import Limits
+from spark.recipes.schema import Recipe
+from spark.recipes.serving import catalog_for, engine_dtype, recipe_config
 from spark.serve_config import ServeConfig
 
 log = logging.getLogger("spark.http")
@@ -36,10 +50,10 @@ class SparkState:
     """What the handlers of one app share (``app.extensions["spark"]``)."""
 
     config: ServeConfig | None  # None: read SPARK_* variables at start-up
-    engine: object | None = None  # given by a test, or loaded at start-up
-    system: object | None = None  # the active model (a LocalModel: SparkSystem's surface); None: 503
+    engine: LoadedEngine | None = None  # loaded before start-up (a test, ``spark serve``), until the slot takes it
+    system: ServedModel | None = None  # the model the routes serve; None: 503
     limits: Limits | None = None  # the active model's, with it
-    slot: object | None = None  # the spark.control.slot.Slot, once start-up made it
+    slot: Slot | None = None  # once start-up made it
     startup_error: BaseException | None = None  # why start-up failed (hypercorn reports only its text)
     started_at: int = attrs.field(factory=lambda: int(time.time()))
     stopped: trio.Event = attrs.field(factory=trio.Event)
@@ -65,18 +79,40 @@ def _exit_needing_trio() -> None:
     raise SystemExit(NEEDS_TRIO)
 
 
-def create_app(config: ServeConfig | None = None, *, engine=None) -> QuartTrio:
+class _Request(TrioRequest):
+    generations: Generations  # set by _Connection before any handler sees the request
+
+
+class _Connection(TrioASGIHTTPConnection):
+    """Hypercorn's trio worker's connection, with a nursery per request around its handler and body.
+
+    When the request ends, every generation it started is closed (``Generations``): even one
+    whose response body never started, as when the client leaves before the first byte.
+    """
+
+    async def handle_request(self, nursery: trio.Nursery, request: _Request, send) -> None:
+        async with trio.open_nursery() as generations:
+            request.generations = Generations(generations)
+            try:
+                await super().handle_request(nursery, request, send)
+            finally:
+                request.generations.close()
+
+
+def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None = None) -> QuartTrio:
     """Build Spark's OpenAI-compatible app.
 
     Args:
       config: how to serve; None reads ``SPARK_*`` environment variables at start-up.
-      engine: an already loaded ``Engine`` (tests); None loads ``config.model`` at start-up.
+      engine: an already loaded engine (tests, ``spark serve``); None loads ``config.model`` at start-up.
 
     Returns:
       The app, for hypercorn's trio worker (``hypercorn -k trio``) or ``spark.http.serve``.
     """
     app = QuartTrio("spark.http")
     app.asgi_lifespan_class = _TrioOnlyLifespan
+    app.asgi_http_class = _Connection
+    app.request_class = _Request
     app.config["RESPONSE_TIMEOUT"] = None  # a long generation must not be cut off at 60 s
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = SHUTDOWN_GRACE_S
     if config is not None:
@@ -86,7 +122,7 @@ def create_app(config: ServeConfig | None = None, *, engine=None) -> QuartTrio:
     app.after_serving(functools.partial(_stop, state))
     app.before_request(functools.partial(_authenticate, state))
     app.after_request(_close_if_body_unread)
-    gateway.install(app, state)  # after _authenticate: it logs the key's id
+    gateway.install(app)
     app.register_blueprint(routes.bp)
     app.register_blueprint(admin.bp)
     errors.install(app)
@@ -106,11 +142,6 @@ async def _start(app: QuartTrio, state: SparkState) -> None:
 
 async def _open(app: QuartTrio, state: SparkState) -> None:
     """Read the recipes, make the slot, and bring the start-up recipe up through it (preflight included)."""
-    from spark.control.activity import ActivityLog
-    from spark.control.slot import Slot
-    from spark.control.usage import UsageCounters
-    from spark.recipes.serving import catalog_for
-
     if state.config is None:
         state.config = ServeConfig.from_env()
         app.config["MAX_CONTENT_LENGTH"] = state.config.max_body_bytes
@@ -123,11 +154,12 @@ async def _open(app: QuartTrio, state: SparkState) -> None:
         activity = ActivityLog(config.activity_log_path, max_bytes=config.activity_log_max_bytes,
                                max_age_s=config.activity_log_max_age_s)
     state.slot = Slot(catalog, config, publish=functools.partial(_publish, state), engine=state.engine,
-                      activity=activity, usage=UsageCounters(config.usage_path), current_tally=gateway.current_tally)
+                      activity=activity, usage=UsageCounters(config.usage_path))
+    state.engine = None  # the slot's now: it releases it with its model
     await app.nursery.start(_run_slot, state, initial)
 
 
-async def load_engine(config: ServeConfig):
+async def load_engine(config: ServeConfig) -> LoadedEngine | None:
     """Load the engine of the recipe active at start (without recipes: ``config.model``) in a worker
     thread; None when that recipe is not a spark one (or there is none).
 
@@ -138,9 +170,6 @@ async def load_engine(config: ServeConfig):
         ValueError: ``config.recipe`` is unknown or invalid.
         ModelLoadError: the model cannot be read.
     """
-    from spark.control.local import load_engine as load
-    from spark.recipes.serving import catalog_for, engine_dtype, recipe_config
-
     _, initial = catalog_for(config)
     if initial is None or initial.engine != "spark":
         return None
@@ -148,19 +177,12 @@ async def load_engine(config: ServeConfig):
     return await load(recipe_config(config, initial), model=model, dummy_config=dummy, dtype=engine_dtype(initial))
 
 
-def _publish(state: SparkState, model) -> None:
-    """The slot's model changed: the routes use ``model`` (a ``LocalModel``, or None: 503) from now on."""
-    state.system = model
-    state.engine = model.engine if model is not None else None
-    if model is None:
-        state.limits = None
-        return
-    vocab = min(model.tokenizer.vocab_size, model.engine.vocab_size)
-    state.limits = Limits(model.served_name, model.max_model_len, vocab, model.config.default_max_tokens,
-                          tuple(model.recipe.sampling.defaults().items()))
+def _publish(state: SparkState, model: LocalModel | None) -> None:
+    """The slot's model changed: the routes use ``model`` (None: 503) from now on."""
+    state.system, state.limits = model, (Limits.of(model) if model is not None else None)
 
 
-async def _run_slot(state: SparkState, initial, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _run_slot(state: SparkState, initial: Recipe | None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     try:
         await state.slot.run(initial, task_status=task_status)  # a failure before started fails start-up
     finally:

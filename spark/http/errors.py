@@ -14,6 +14,8 @@ import math
 from quart import Quart, Response
 from werkzeug.exceptions import HTTPException
 
+from spark.actors.ingress import SubmitError
+
 log = logging.getLogger("spark.http")
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
@@ -34,6 +36,16 @@ class ApiError(Exception):
                  retry_after: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    @classmethod
+    def refused(cls, exc: SubmitError, *, param: str | None = None) -> ApiError:
+        """A refusal of the actor system or of the slot (``spark.control.slot.Refusal``), as the client hears it."""
+        return cls(exc.status, exc.message, param=param, code=exc.code, retry_after=exc.retry_after)
+
+    @classmethod
+    def generation_failed(cls, why: str) -> ApiError:
+        """A generation that broke off after it started (an error piece, or its stream failed)."""
+        return cls(500, f"generation failed: {why}", code="generation_failed")
 
     def body(self) -> dict:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")

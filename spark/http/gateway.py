@@ -1,12 +1,13 @@
 """The router in front of the routes: model names through the slot, upstream proxying, headers, activity.
 
-Before a generation request (chat, completions, messages, responses) reaches its
-route, the body's ``model`` is resolved by the slot: the active model goes on to
-the route; an upstream recipe is proxied from here; another recipe starts a
-switch and is answered 503 + ``Retry-After``; an unknown name 404. After every
-response: ``X-Spark-Active-Profile`` and ``X-Spark-Served-Model``, and for a
-generation one activity line and the usage counters, written when its body ends
-(a stream's last byte), since only then are its tokens known.
+A route that names a model declares it where it is defined, ``@generates(bp, rule)``
+(``logged=False`` for one that only counts, like ``count_tokens``). Before its body runs,
+the request body's ``model`` is resolved by the slot: the active model is handed to the
+route as a ``spine.Serving``; an upstream recipe is proxied from here; another recipe
+starts a switch and is answered 503 + ``Retry-After``; an unknown name 404. After every
+response: ``X-Spark-Active-Profile`` and ``X-Spark-Served-Model``, and for a generation
+one activity line and the usage counters, written when its body ends (a stream's last
+byte), since only then are its tokens known.
 """
 
 from __future__ import annotations
@@ -14,56 +15,71 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
-from quart import Quart, Response, g, request
+from quart import Blueprint, Quart, Response, current_app, g, request
 from quart.wrappers.response import IterableBody
 
 from spark.control.activity import Tally, key_id
 from spark.control.slot import Refusal, Slot
 from spark.control.upstream import UpstreamError
-from spark.http import params
 from spark.http.errors import ApiError
+from spark.http.spine import Serving, not_ready
 from spark.recipes.schema import Recipe
 
 log = logging.getLogger("spark.http")
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
-ROUTED_PATHS = GENERATION_PATHS | {"/v1/messages/count_tokens"}  # name a model; only generations are logged
+View = Callable[[Serving], Awaitable]
 
 
-def install(app: Quart, state) -> None:
-    """Route, label and log every request of ``app`` through ``state.slot`` (once start-up made it)."""
-    app.before_request(functools.partial(_route, state))
-    app.after_request(functools.partial(_label, state))
+def install(app: Quart) -> None:
+    """Label every response of ``app``, and log every generation (``generates``), through its slot."""
+    app.after_request(functools.partial(_label, app.extensions["spark"]))
 
 
-def current_tally() -> Tally | None:
-    """The tally of the request being handled (None outside a request, or for other routes)."""
-    from quart import has_request_context
+def generates(bp: Blueprint, rule: str, *, logged: bool = True) -> Callable[[View], View]:
+    """Declare ``POST rule`` on ``bp`` a route that names a model: the decorated view is called with the
+    ``Serving`` its body's model resolved to (or never, when the request is proxied or refused).
 
-    return g.get("spark_tally") if has_request_context() else None
+    Args:
+      logged: its generations go to the activity log and the usage counters.
+    """
+
+    def declare(view: View) -> View:
+        @functools.wraps(view)
+        async def routed():
+            state = current_app.extensions["spark"]
+            tally = Tally(endpoint=request.path, key_id=key_id(g.get("api_key")))
+            g.spark_tally = tally if logged else None  # what _label logs
+            proxied = await _route(state.slot, tally)
+            if proxied is not None:
+                return proxied
+            model, limits = state.system, state.limits  # read together, with no await since the slot routed
+            if model is None:
+                raise not_ready()
+            return await view(Serving(model, limits, g.spark_tally, request.generations))
+
+        bp.post(rule)(routed)
+        return view
+
+    return declare
 
 
 def refusal_error(r: Refusal) -> ApiError:
-    return ApiError(r.status, r.message, param="model" if r.code.startswith("model") else None, code=r.code,
-                    retry_after=r.retry_after)
+    return ApiError.refused(r, param="model" if r.code.startswith("model") else None)
 
 
-async def _route(state) -> Response | None:
-    slot: Slot | None = state.slot
-    g.spark_tally = g.spark_served = None
-    params.model_resolver.set(None)  # nothing from an earlier request on this connection's context
-    if slot is None or request.method != "POST" or request.path not in ROUTED_PATHS:
+async def _route(slot: Slot | None, tally: Tally) -> Response | None:
+    """Resolve the body's model; a proxied response, or None to go on to the route (it answers 400 for a
+    body it cannot read, and 503 when no model is active)."""
+    if slot is None:
         return None
-    tally = Tally(endpoint=request.path, key_id=key_id(g.get("api_key")))
-    if request.path in GENERATION_PATHS:
-        g.spark_tally = tally
     try:
         body = json.loads(await request.get_data())
     except ValueError:
         body = None
     if not isinstance(body, dict) or not isinstance(body.get("model"), (str, type(None))):
-        return None  # the route answers 400 for a body it cannot read
+        return None
     name = body.get("model")
     tally.model, tally.stream = name, bool(body.get("stream"))
     try:
@@ -74,15 +90,7 @@ async def _route(state) -> Response | None:
     g.spark_served = recipe.served_name
     if recipe.engine == "upstream":
         return await _proxy(slot, recipe, body, tally)
-    params.model_resolver.set(functools.partial(_still_active, slot, recipe))
     return None
-
-
-def _still_active(slot: Slot, recipe: Recipe, name: str | None) -> None:
-    """For ``check_model`` in the route: the name was resolved above; has a switch begun since?"""
-    if slot.state != "active" or slot.active is not recipe:
-        raise ApiError(503, f"the server is switching to {slot.target.served_name if slot.target else 'another model'};"
-                            " retry shortly", param="model", code="model_loading", retry_after=slot.eta())
 
 
 async def _proxy(slot: Slot, recipe: Recipe, body: dict, tally: Tally) -> Response:

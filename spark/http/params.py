@@ -6,14 +6,14 @@ what the checks need to know about the served model.
 
 from __future__ import annotations
 
-import contextvars
 import json
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
 from spark.actors.messages import GenerateRequest
+from spark.control.served import ServedModel
 from spark.engine.sampling import MAX_LOGPROBS, SamplingParams
 from spark.http.errors import ApiError
 from spark.http.schemas import ChatRequest, CompletionRequest, MessageToolCall, SamplingFields
@@ -35,6 +35,11 @@ class Limits:
     default_max_tokens: int
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # the recipe's, for fields a request leaves out
 
+    @classmethod
+    def of(cls, model: ServedModel) -> Limits:
+        return cls(model.served_name, model.max_model_len, model.vocab_size, model.config.default_max_tokens,
+                   tuple(model.sampling_defaults.items()))
+
 
 @attrs.frozen
 class Job:
@@ -46,44 +51,52 @@ class Job:
     include_usage: bool
 
 
-#: Set per request by the app's router (``spark.http.gateway``) when it serves recipes: it checks that
-#: ``name`` still resolves to the model this request holds, raising ``ApiError`` (404, or 503 mid-switch).
-model_resolver: contextvars.ContextVar[Callable[[str | None], None] | None] = contextvars.ContextVar(
-    "spark_model_resolver", default=None)
+def sampling_params(limits: Limits, given: Mapping[str, object], *, max_tokens: int | None,
+                    param: str = "max_tokens", logprobs: int | None = None) -> SamplingParams:
+    """A request's sampling: the fields it gives (None: left out) over the recipe's defaults, validated.
 
-
-def check_model(name: str | None, served_name: str) -> None:
-    """A missing name means the served model; ``sparky`` is its alias; with recipes, names go
-    through the registry (``model_resolver``)."""
-    resolve = model_resolver.get()
-    if resolve is not None:
-        resolve(name)
-        return
-    if name is not None and name not in (served_name, MODEL_ALIAS):
-        raise ApiError(404, f"model {name!r} does not exist; this server serves {served_name!r}",
-                       param="model", code="model_not_found")
-
-
-def base_params(req: SamplingFields, limits: Limits, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's sampling parameters, validated (``max_tokens`` is capped per prompt later).
+    ``max_tokens`` None takes the server's default; it is capped to each prompt's room later (``room_left``).
 
     Raises:
-        ApiError: 400 naming the bad field.
+        ApiError: 400 naming the bad field (``param`` for max_tokens).
     """
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    for token in (req.logit_bias or {}):
-        if not (token.isdigit() and int(token) < limits.vocab_size):
-            raise ApiError(400, f"logit_bias key {token!r} is not a token id below {limits.vocab_size}",
-                           param="logit_bias")
-    fields = {name: getattr(req, name) for name in (
-        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "seed", "logit_bias", "ignore_eos")}
-    fields = {**dict(limits.sampling_defaults), **{k: v for k, v in fields.items() if v is not None}}
+        raise ApiError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
+    fields = {**dict(limits.sampling_defaults), **{k: v for k, v in given.items() if v is not None}}
     try:
         return SamplingParams(**fields, logprobs=logprobs, max_tokens=max_tokens or limits.default_max_tokens)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def base_params(req: SamplingFields, limits: Limits, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The sampling parameters of an OpenAI chat or completion request (``sampling_params`` of its fields).
+
+    Raises:
+        ApiError: 400 naming the bad field.
+    """
+    for token in (req.logit_bias or {}):
+        if not (token.isdigit() and int(token) < limits.vocab_size):
+            raise ApiError(400, f"logit_bias key {token!r} is not a token id below {limits.vocab_size}",
+                           param="logit_bias")
+    given = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "seed", "logit_bias", "ignore_eos")}
+    return sampling_params(limits, given, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def room_left(params: SamplingParams, prompt: Sequence[int], limits: Limits, *,
+              param: str = "messages") -> SamplingParams:
+    """``params`` with ``max_tokens`` capped to the context ``prompt`` leaves.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded`` when the prompt leaves no room to generate.
+    """
+    room = limits.max_model_len - len(prompt)
+    if room < 1:
+        raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context holds {limits.max_model_len}: "
+                            "no room left to generate", param=param, code="context_length_exceeded")
+    return params if params.max_tokens <= room else attrs.evolve(params, max_tokens=room)
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -217,20 +230,22 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
     stop = stop_strings(req.stop)
     requests = []
     for p, prompt in enumerate(prompts):
-        room = limits.max_model_len - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context holds {limits.max_model_len}: "
-                                "no room left to generate", param="messages" if isinstance(req, ChatRequest)
-                           else "prompt", code="context_length_exceeded")
-        max_tokens = min(params.max_tokens, room)
+        capped = room_left(params, prompt, limits, param="messages" if isinstance(req, ChatRequest) else "prompt")
         for i in range(n):
             seed = None if params.seed is None else params.seed + i
             requests.append(GenerateRequest(
                 request_id=f"{request_id}-{p * n + i}", prompt_ids=tuple(prompt),
-                params=attrs.evolve(params, max_tokens=max_tokens, seed=seed), stop=stop, api_key=api_key,
+                params=attrs.evolve(capped, seed=seed), stop=stop, api_key=api_key,
                 skip_special_tokens=req.skip_special_tokens is not False))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage)
+
+
+def single_job(request_id: str, prompt: Sequence[int], params: SamplingParams, limits: Limits, *, stream: bool,
+               stop: tuple[str, ...] = (), api_key: str | None) -> Job:
+    """The one generation of a request that has no choices (Anthropic Messages, Responses)."""
+    request = GenerateRequest(request_id, tuple(prompt), room_left(params, prompt, limits), stop=stop, api_key=api_key)
+    return Job((request,), len(prompt), stream, include_usage=False)
 
 
 def logprobs_k(req: ChatRequest | CompletionRequest) -> int | None:

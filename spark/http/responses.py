@@ -16,31 +16,30 @@ objects answer 404 as if absent.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
 import time
+from contextlib import aclosing
 
 import attrs
 import trio
-from quart import Blueprint, Response, current_app, g, request
+from quart import Blueprint, current_app, g, request
 
-from spark.actors.messages import GenerateRequest
-from spark.http.compaction import answer_reserve, prepare_fitting_turn
-from spark.engine.sampling import SamplingParams
+from spark.http import spine
 from spark.http.errors import ApiError
-from spark.http.formatting import SSE_HEADERS
-from spark.http.params import check_model
+from spark.http.fanin import FanIn
+from spark.http.gateway import generates
+from spark.http.params import sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
                                        chat_messages, chat_tools, input_items, new_id, usage)
 from spark.http.schemas import parse_body
-from spark.http.turn import ToolChoice, TurnDone, chat_format, effort_thinking, run_turn
+from spark.http.spine import Serving
+from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
 from spark.state import AsyncStore, Store, owner_of
 
 bp = Blueprint("responses", __name__)
 log = logging.getLogger("spark.http")
-COMPACTION_HEADER = "X-Spark-Compaction"
 
 
 def install(app) -> None:
@@ -93,18 +92,11 @@ def _not_found(kind: str, oid: str, param: str | None = None) -> ApiError:
 # -- responses -------------------------------------------------------------------------
 
 
-@bp.post("/v1/responses")
-async def create_response():
-    state = current_app.extensions["spark"]
-    system, limits = state.system, state.limits
-    if system is None:
-        raise ApiError(503, "the server is not ready: the model is loading (or the engine failed)",
-                       code="not_ready", retry_after=1)
+@generates(bp, "/v1/responses")
+async def create_response(serving: Serving):
     req = parse_body(await request.get_data(), ResponsesRequest)
-    check_model(req.model, limits.served_name)
-    if req.max_output_tokens is not None and req.max_output_tokens < 1:
-        raise ApiError(400, f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
-                       param="max_output_tokens")
+    params = sampling_params(serving.limits, {"temperature": req.temperature, "top_p": req.top_p},
+                             max_tokens=req.max_output_tokens, param="max_output_tokens")
     owner = _owner()
     # store=false needs the store only to read what it continues: a stateless server makes no file
     store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
@@ -113,40 +105,25 @@ async def create_response():
     if not items and not history:
         raise ApiError(400, "input must hold at least one item", param="input")
     enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
-    given = {k: v for k in ("temperature", "top_p") if (v := getattr(req, k)) is not None}
-    try:  # the recipe's sampling defaults for what the request leaves out
-        params = SamplingParams(**{**dict(limits.sampling_defaults), **given},
-                                max_tokens=req.max_output_tokens or limits.default_max_tokens)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
-    render = functools.partial(
-        prepare_fitting_turn, system.tokenizer, chat_format(system.config, system.tokenizer),
-        chat_messages(req.instructions, history + items), max_model_len=limits.max_model_len,
-        reserve=answer_reserve(limits.max_model_len, req.max_output_tokens, limits.default_max_tokens),
+    turn, stage = await spine.fit_turn(
+        serving, chat_messages(req.instructions, history + items), max_tokens=req.max_output_tokens,
         tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget)
-    turn, stage = await trio.to_thread.run_sync(render)
     rid, prompt = new_id("resp"), turn.prompt.prompt_ids
-    room = limits.max_model_len - len(prompt)
-    params = attrs.evolve(turn.sampling(params), max_tokens=min(params.max_tokens, room))
-    generate = GenerateRequest(rid, prompt, params, api_key=g.api_key)
-    events = run_turn(system, generate, turn.parser())
-    head = _response_head(rid, req, system.served_name, conversation_id, stage)
+    job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key)
+    fanin = await spine.submit(serving, job)
+    head = _response_head(rid, req, serving.model.served_name, conversation_id, stage)
     run = _Run(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store)
-    headers = {COMPACTION_HEADER: stage} if stage else {}
-    if req.stream:
+    if job.stream:
         if run.store is not None:
             try:
                 await store.put_response(owner, head, items)  # committed before the client hears of its id
             except BaseException:
-                with trio.CancelScope(shield=True):
-                    await events.__aexit__(None, None, None)  # cancels the generation
+                fanin.close()  # cancels the generation
                 raise
-        response = Response(run.sse(events), content_type="text/event-stream", headers=SSE_HEADERS | headers)
-        response.timeout = None
-        return response
-    final = await run.collect(events)
-    return final, 200, headers
+        return spine.sse(run.sse(fanin, turn.parser()), stage)
+    final = await run.collect(fanin, turn.parser())
+    return final, 200, spine.stage_headers(stage)
 
 
 async def _history(req: ResponsesRequest, owner: str, store: AsyncStore | None) -> tuple[list[dict], str | None]:
@@ -193,7 +170,7 @@ def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id:
             "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "background": False, "user": req.user}
-    return head | ({"spark_compaction": stage} if stage else {})
+    return spine.with_stage(head, stage)
 
 
 @attrs.define(eq=False)
@@ -209,13 +186,13 @@ class _Run:
     conversations: AsyncStore | None  # appended to even with store=false
     final: dict | None = None
 
-    async def events(self, events, *, stream: bool):
+    async def events(self, fanin: FanIn, parser: TurnParser, *, stream: bool):
         """The ``response.*`` events (without sequence numbers); the last one carries the final response."""
         builder = OutputBuilder()
         yield {"type": "response.created", "response": self.head}
         yield {"type": "response.in_progress", "response": self.head}
         try:
-            async with events:
+            async with aclosing(turn_events(fanin, parser)) as events:
                 async for event in events:
                     if not isinstance(event, TurnDone):
                         for out in builder.feed(event):
@@ -249,6 +226,8 @@ class _Run:
                     except Exception:
                         log.exception("could not store the end of response %s", self.head["id"])
             raise
+        finally:
+            fanin.close()
 
     async def _save(self) -> None:
         if self.store is not None:
@@ -257,20 +236,22 @@ class _Run:
             await self.conversations.append_conversation_items(self.owner, self.conversation_id,
                                                                self.items + self.final["output"])
 
-    async def collect(self, events) -> dict:
-        async for _ in self.events(events, stream=False):
-            pass
+    async def collect(self, fanin: FanIn, parser: TurnParser) -> dict:
+        async with aclosing(self.events(fanin, parser, stream=False)) as events:
+            async for _ in events:
+                pass
         if self.final["status"] == "failed":
             raise self.final["spark_error"]
         return self.final
 
-    async def sse(self, events):
+    async def sse(self, fanin: FanIn, parser: TurnParser):
         """The events as SSE, numbered; a failure of the server itself ends the stream with an ``error`` event."""
         seq = 0
         try:
-            async for event in self.events(events, stream=True):
-                yield _sse_event({**event, "sequence_number": seq})
-                seq += 1
+            async with aclosing(self.events(fanin, parser, stream=True)) as events:
+                async for event in events:
+                    yield _sse_event({**event, "sequence_number": seq})
+                    seq += 1
         except Exception as exc:
             log.exception("response %s failed", self.head["id"])
             yield _sse_event({"type": "error", "code": "server_error", "message": _describe(exc), "param": None,

@@ -17,6 +17,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from spark import gc_tuning
+from spark.core.interfaces import LoadedEngine
 from spark.http.application import create_app, load_engine
 from spark.serve_config import ServeConfig
 
@@ -41,8 +42,9 @@ def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> Hyperc
     return hc
 
 
-async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = False, shutdown_trigger=None,
-                      quiet: bool = False, settle_gc: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_async(config: ServeConfig, *, engine: LoadedEngine | None = None, access_log: bool = False,
+                      shutdown_trigger=None, quiet: bool = False, settle_gc: bool = False,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until ``shutdown_trigger`` returns (by default: SIGINT or SIGTERM).
 
     Args:
@@ -81,8 +83,9 @@ async def serve_async(config: ServeConfig, *, engine=None, access_log: bool = Fa
                 print(f"Spark serving {served} on {url}", flush=True)
             task_status.started(url)
     finally:
-        if owns_engine and engine is not None and hasattr(engine, "close"):
-            engine.close()  # an engine process: its GPU memory goes with it
+        if owns_engine and engine is not None:  # the slot closed it already, unless start-up failed first
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(engine.close)  # an engine process exits, its GPU memory with it
         if state.startup_error is not None:  # the real error (a ModelLoadError, say), not hypercorn's wrapper
             raise state.startup_error from None
 

@@ -8,14 +8,18 @@ response from the events below; nothing here knows a wire format.
                         chat_template_kwargs={}, enable_thinking=None, thinking_budget=None)
     # ^ renders the chat template: call it off the event loop (trio.to_thread.run_sync)
     request = GenerateRequest(rid, turn.prompt.prompt_ids, turn.sampling(params), stop=stops)
+    async for choice, piece, events in turn_steps(fanin, parsers):   # what the HTTP routes read
+        ...  # ContentDelta(text) | ReasoningDelta(text) | ToolCallDelta(index, id, name, arguments)
+             # then exactly one TurnDone(result, finish_reason, usage, stop_string, error) per choice, last
+
+The routes submit through ``spark.http.spine`` (a ``FanIn`` of the request's choices, one parser
+each); ``turn_events`` flattens one choice's events. Outside HTTP, ``run_turn`` submits one
+generation and reads it the same way:
+
     async with run_turn(system, request, turn.parser()) as events:   # ApiError at once if refused
         async for event in events:
-            ...  # ContentDelta(text) | ReasoningDelta(text) | ToolCallDelta(index, id, name, arguments)
-                 # then exactly one TurnDone(result, finish_reason, usage, stop_string, error), last
+            ...
     done = await run_turn(system, request, turn.parser()).collect()   # not streamed: the same TurnDone
-
-With n choices, make one parser per choice and feed each its pieces with
-``parser.step(piece)``, which returns the same events (chat completions does this).
 
 Messages, tools and thinking (how the prompt is rendered, how the thinking switch and budget
 are settled) are in ``spark.http.chat_prompt``, whose names this module re-exports.
@@ -24,29 +28,31 @@ Tool choice (``ToolChoice``): "none" renders without tools and parses no calls; 
 model choose; "required" (or a function name) needs at least one call (to that function). Until
 constrained decoding exists, a reply that breaks it ends the turn with ``TurnDone.error``:
 422 ``tool_choice_not_satisfied``. A call to another name ends the turn at once, before any of
-its deltas; a missing call is known at the end (a reply cut off by max_tokens ends "length"). With ``parallel_tool_calls=False`` only the
-first call is kept. Calls to tools that were not offered are returned with ``unknown=True``;
-they do not satisfy "required".
+its deltas; a missing call is known at the end (a reply cut off by max_tokens ends "length"). With
+``parallel_tool_calls=False`` only the first call is kept. Calls to tools that were not offered are
+returned with ``unknown=True``; they do not satisfy "required".
 
 Finish reasons: "tool_calls" when calls were made and the model stopped; else the engine's
 "stop" or "length" ("length" wins over calls: a cut-off call may be incomplete); "error" with
-``TurnDone.error`` set.
+``TurnDone.error`` set (the error piece's, a stream that failed, or one that ended early).
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import attrs
 
 from spark.actors.messages import GenerateRequest, RequestOutput
-from spark.actors.system import SubmitError
+from spark.actors.ingress import SubmitError
 from spark.engine.sampling import SamplingParams
 from spark.http.chat_prompt import (EFFORT_BUDGETS, ChatFormat, RenderedPrompt, ToolChoice, chat_format, check_tools,
                                     effort_thinking, engine_thinking_budget, render_chat, template_messages)
+from spark.control.served import GenerationStream, ServedModel
 from spark.http.errors import ApiError
+from spark.http.fanin import StreamFailed, tagged
 from spark.parsers import (ChatOutputParser, ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta,
                            to_openai_tool_calls)
 
@@ -54,7 +60,7 @@ __all__ = [
     "EFFORT_BUDGETS", "ChatFormat", "ContentDelta", "PreparedTurn", "ReasoningDelta", "RenderedPrompt", "ToolCall",
     "ToolCallDelta", "ToolChoice", "TurnDone", "TurnEvent", "TurnParser", "TurnResult", "TurnStream", "Usage",
     "chat_format", "check_tools", "effort_thinking", "engine_thinking_budget", "prepare_turn", "render_chat",
-    "run_turn", "template_messages",
+    "collect_turn", "run_turn", "template_messages", "turn_events", "turn_steps",
 ]
 
 TOOL_CHOICE_NOT_SATISFIED = "tool_choice_not_satisfied"
@@ -142,8 +148,7 @@ class TurnParser:
         if self._done is not None:
             return []
         if piece.finish_reason == "error":
-            return [self._end(piece, "error", ApiError(500, f"generation failed: {piece.error or 'unknown error'}",
-                                                       code="generation_failed"))]
+            return [self._end(piece, "error", ApiError.generation_failed(piece.error or "unknown error"))]
         events = self.feed(piece.text) if piece.text else []
         if piece.finish_reason is None and self._violation is None:
             return events
@@ -153,8 +158,7 @@ class TurnParser:
 
     def fail(self, message: str) -> TurnDone:
         """End the turn with a generation error (the stream broke off)."""
-        return self._end(RequestOutput("", "", ()), "error", ApiError(500, f"generation failed: {message}",
-                                                                      code="generation_failed"))
+        return self._end(RequestOutput("", "", ()), "error", ApiError.generation_failed(message))
 
     @property
     def done(self) -> TurnDone | None:
@@ -257,49 +261,82 @@ def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any
     return PreparedTurn(prompt, fmt, offered, tool_choice, parallel_tool_calls, budget)
 
 
-class TurnStream:
-    """The events of one generation; ``async with`` it: leaving before ``TurnDone`` cancels the request."""
+async def turn_steps(pieces: AsyncIterable[tuple[int, RequestOutput]], parsers: Sequence[TurnParser]
+                     ) -> AsyncIterator[tuple[int, RequestOutput | None, list[TurnEvent]]]:
+    """How every chat API reads its generations: each piece of each choice, with the events it makes.
 
-    def __init__(self, stream, parser: TurnParser):
+    Args:
+      pieces: ``(choice, piece)`` in arrival order (a ``FanIn``).
+      parsers: one fresh ``TurnParser`` per choice.
+
+    Returns:
+      ``(choice, piece, events)``; a choice's last events end with its ``TurnDone``. Pieces that
+      fail (``StreamFailed``) or end before a choice's last piece end that choice with a ``TurnDone``
+      error (500 generation_failed), given with piece None.
+    """
+    left = len(parsers)
+    try:
+        async for i, piece in pieces:
+            events = parsers[i].step(piece)
+            yield i, piece, events
+            if events and isinstance(events[-1], TurnDone):
+                left -= 1
+                if not left:  # a turn may end before its stream (a broken tool choice): read no further
+                    return
+        why = "the stream ended early (is the server shutting down?)"
+    except StreamFailed as exc:
+        why = str(exc)
+    for i, parser in enumerate(parsers):
+        if parser.done is None:
+            yield i, None, [parser.fail(why)]
+
+
+async def turn_events(pieces: AsyncIterable[tuple[int, RequestOutput]], parser: TurnParser
+                      ) -> AsyncIterator[TurnEvent]:
+    """The events of one choice, one by one (``turn_steps`` with one parser)."""
+    async with aclosing(turn_steps(pieces, [parser])) as steps:
+        async for _, _, events in steps:
+            for event in events:
+                yield event
+
+
+async def collect_turn(pieces: AsyncIterable[tuple[int, RequestOutput]], parser: TurnParser) -> TurnDone:
+    """Read one choice to its end; returns its ``TurnDone`` (the deltas are in its result)."""
+    async with aclosing(turn_steps(pieces, [parser])) as steps:
+        async for _ in steps:
+            pass
+    return parser.done
+
+
+class TurnStream:
+    """The events of one generation (``run_turn``); ``async with`` it: leaving before ``TurnDone`` cancels it."""
+
+    def __init__(self, stream: GenerationStream, parser: TurnParser):
         self._stream = stream
         self.parser = parser
-        self._pending: collections.deque = collections.deque()
+        self._events = turn_events(tagged(stream), parser)
 
-    async def __aenter__(self) -> "TurnStream":
+    async def __aenter__(self) -> TurnStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        await self._events.aclose()
         await self._stream.aclose()
 
-    def __aiter__(self) -> "TurnStream":
-        return self
-
-    async def __anext__(self) -> TurnEvent:
-        while not self._pending:
-            if self.parser.done is not None:
-                raise StopAsyncIteration
-            try:
-                piece = await self._stream.__anext__()
-            except StopAsyncIteration:  # the system closed the stream without a last piece
-                self._pending.append(self.parser.fail("the stream ended early (is the server shutting down?)"))
-                continue
-            self._pending.extend(self.parser.step(piece))
-        return self._pending.popleft()
+    def __aiter__(self) -> AsyncIterator[TurnEvent]:
+        return self._events
 
     async def collect(self) -> TurnDone:
         """Read the whole turn; returns its ``TurnDone`` (the deltas are in its result)."""
         async with self:
-            async for event in self:
-                if isinstance(event, TurnDone):
-                    return event
-        raise AssertionError("unreachable: a turn always ends with TurnDone")
+            return await collect_turn(tagged(self._stream), self.parser)
 
 
-def run_turn(system, request: GenerateRequest, parser: TurnParser) -> TurnStream:
-    """Submit one generation and parse it as it streams.
+def run_turn(system: ServedModel, request: GenerateRequest, parser: TurnParser) -> TurnStream:
+    """Submit one generation and parse it as it streams (outside HTTP: the routes go through ``spark.http.spine``).
 
     Args:
-      system: the ``SparkSystem``.
+      system: the ``SparkSystem`` (or any ``ServedModel``).
       request: the generation (its params from ``PreparedTurn.sampling``).
       parser: a fresh ``TurnParser`` (``PreparedTurn.parser()``).
 
@@ -312,5 +349,5 @@ def run_turn(system, request: GenerateRequest, parser: TurnParser) -> TurnStream
     try:
         stream = system.submit(request)
     except SubmitError as exc:
-        raise ApiError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after) from None
+        raise ApiError.refused(exc) from None
     return TurnStream(stream, parser)

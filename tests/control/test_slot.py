@@ -129,11 +129,11 @@ async def test_streams_past_the_grace_period_end_with_an_error_piece(catalog):
         slot.stop()
 
 
-def test_engine_unload_frees_the_weights_even_while_referenced():
+def test_engine_close_frees_the_weights_even_while_referenced():
     from spark.engine.engine import Engine
 
     engine = Engine.load("dummy:tiny-llama", device="cpu", kv_cache_bytes=1 << 20, progress=False)
     model, cache = weakref.ref(engine.model), weakref.ref(engine.kv_cache)
-    engine.unload()
+    engine.close()
     gc.collect()
     assert model() is None and cache() is None

@@ -10,9 +10,9 @@ from spark.actors.messages import GenerateRequest, RequestOutput
 from spark.actors.system import SubmitError
 from spark.engine.sampling import SamplingParams
 from spark.http.errors import ApiError
-from spark.http.fanin import StreamFailed
+from spark.http.fanin import Generations, StreamFailed
 from spark.http.params import Job
-from spark.http.routes import submit_job
+from spark.http.spine import submit_job
 
 
 class FakeStream:
@@ -114,12 +114,9 @@ async def test_one_choice_is_read_without_a_pump_and_closing_it_early_cancels_it
 
 
 async def test_a_one_choice_fan_in_dropped_unread_still_cancels_its_request(autojump_clock):
-    import gc
-
     system = FakeSystem(pieces=100)
     async with trio.open_nursery() as nursery:
-        fanin = await submit_job(system, _job(1), nursery)  # a response whose body never started
-        del fanin
-        gc.collect()
-        await trio.testing.wait_all_tasks_blocked()
+        generations = Generations(nursery)  # what the app's connection gives each request
+        generations.own(await submit_job(system, _job(1), nursery))  # a response whose body never started
+        generations.close()  # the request ended
     assert system.streams[0].entered and system.streams[0].cancelled
