@@ -112,6 +112,40 @@ class Ingress:
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Queue ``request``; raises ``SubmitError`` when it is refused."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerateRequest]) -> list[RequestStream]:
+        """Queue the choices of one API request (``n`` of them) together, or refuse them together.
+
+        They are one request to the rate limiter (with the tokens of all), and the queue must
+        have room for all: a refusal charges the key nothing and leaves nothing queued.
+
+        Raises:
+            SubmitError: 400 (a bad prompt), 503 (the queue is full), 429 (the key's rate).
+        """
+        for request in requests:
+            self._check(request)
+        queue = self._admissions.statistics()
+        room = queue.max_buffer_size - queue.current_buffer_used + queue.tasks_waiting_receive
+        if len(requests) > room:  # before the rate limit
+            raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0)
+        key = requests[0].api_key
+        if key is not None:
+            tokens = sum(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+            wait = self.rate_limiter.check(key, tokens, trio.current_time())
+            if wait is not None:
+                retry = 3600.0 if math.isinf(wait) else wait
+                raise SubmitError(429, "rate_limit_exceeded", "rate limit reached for this API key", retry_after=retry)
+        streams = []
+        for request in requests:
+            pieces_send, pieces = trio.open_memory_channel(request.params.max_tokens + 8)
+            # No await since the checks above: the queue still has room.
+            self._admissions.send_nowait(Submission(request, pieces_send, trio.current_time()))
+            self._metrics.prompt_tokens.inc(len(request.prompt_ids))
+            streams.append(RequestStream(request.request_id, pieces, self._cancels.clone()))
+        return streams
+
+    def _check(self, request: GenerateRequest) -> None:
         n = len(request.prompt_ids)
         if n == 0:
             raise SubmitError(400, "invalid_request_error", "the prompt is empty")
@@ -126,16 +160,3 @@ class Ingress:
             raise SubmitError(400, "invalid_request_error", f"prompt token ids must lie in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for t, _ in request.params.logit_bias):
             raise SubmitError(400, "invalid_request_error", f"logit_bias token ids must lie in [0, {self.vocab_size})")
-        queue = self._admissions.statistics()
-        if queue.current_buffer_used >= queue.max_buffer_size and not queue.tasks_waiting_receive:  # before the rate limit
-            raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0)
-        if request.api_key is not None:
-            wait = self.rate_limiter.check(request.api_key, n + request.params.max_tokens, trio.current_time())
-            if wait is not None:
-                retry = 3600.0 if math.isinf(wait) else wait
-                raise SubmitError(429, "rate_limit_exceeded", "rate limit reached for this API key", retry_after=retry)
-        pieces_send, pieces = trio.open_memory_channel(request.params.max_tokens + 8)
-        # No await since the check above: the queue still has room.
-        self._admissions.send_nowait(Submission(request, pieces_send, trio.current_time()))
-        self._metrics.prompt_tokens.inc(n)
-        return RequestStream(request.request_id, pieces, self._cancels.clone())

@@ -45,7 +45,10 @@ class RateLimiter:
         return len(self._keys)
 
     def check(self, key: str, tokens: int, now: float) -> float | None:
-        """Take one request and ``tokens`` tokens from ``key``'s buckets.
+        """Take one request and ``tokens`` tokens from ``key``'s buckets (nothing when refused).
+
+        One API request is one request here, however many choices (``n``) it asks for;
+        its tokens are those of every choice.
 
         Returns:
             None when admitted; otherwise the seconds after which it would be.

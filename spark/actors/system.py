@@ -61,6 +61,10 @@ class SparkSystem:
     def submit(self, request: GenerateRequest) -> RequestStream:
         return self._ingress.submit(request)
 
+    def submit_all(self, requests: list[GenerateRequest]) -> list[RequestStream]:
+        """The ``n`` choices of one API request: queued, rate-limited and refused together."""
+        return self._ingress.submit_all(requests)
+
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 

@@ -77,3 +77,52 @@ async def test_leaving_early_cancels_once_and_a_finished_stream_not_at_all(autoj
     async with stream:
         assert (await stream.__anext__()).finish_reason == "stop"
     assert cancels.statistics().current_buffer_used == 0
+
+
+def _ingress(*, rps: float = 0.0, queue: int = 8):
+    from spark.actors.ingress import Ingress
+    from spark.actors.rate_limiter import RateLimiter
+    from spark.metrics import Metrics
+
+    admissions_send, admissions = trio.open_memory_channel(queue)
+    cancels_send, _ = trio.open_memory_channel(64)
+    ingress = Ingress(admissions_send, cancels_send, max_model_len=64, max_tokens_in_cache=1024, vocab_size=100,
+                      rate_limiter=RateLimiter(rps=rps), metrics=Metrics())
+    return ingress, admissions
+
+
+def _choices(request_id: str, n: int, key: str | None = "k1"):
+    from spark.actors.messages import GenerateRequest
+    from spark.engine.sampling import SamplingParams
+
+    return [GenerateRequest(f"{request_id}-{i}", (1, 2), SamplingParams(max_tokens=1), api_key=key) for i in range(n)]
+
+
+async def test_the_choices_of_one_request_are_one_request_to_the_rate_limiter(autojump_clock):
+    """Issue 18.1: at 1 request/s, n=2 was refused every time (its 2nd choice was a 2nd request),
+    and the key was charged for the 1st anyway."""
+    import pytest
+
+    from spark.actors.ingress import SubmitError
+
+    ingress, admissions = _ingress(rps=1)
+    assert len(ingress.submit_all(_choices("a", 2))) == 2
+    assert admissions.statistics().current_buffer_used == 2
+    with pytest.raises(SubmitError) as refused:  # the bucket is empty for a second
+        ingress.submit_all(_choices("b", 2))
+    assert refused.value.status == 429 and admissions.statistics().current_buffer_used == 2  # nothing queued
+    await trio.sleep(1.0)
+    assert len(ingress.submit_all(_choices("c", 1))) == 1  # the refusal charged nothing
+
+
+async def test_the_choices_of_one_request_are_queued_together_or_not_at_all(autojump_clock):
+    import pytest
+
+    from spark.actors.ingress import SubmitError
+
+    ingress, admissions = _ingress(queue=3)
+    ingress.submit_all(_choices("a", 2, key=None))
+    with pytest.raises(SubmitError) as refused:
+        ingress.submit_all(_choices("b", 2, key=None))  # one slot left: not half of them
+    assert refused.value.status == 503 and admissions.statistics().current_buffer_used == 2
+    assert len(ingress.submit_all(_choices("c", 1, key=None))) == 1
