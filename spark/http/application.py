@@ -80,6 +80,8 @@ def _exit_needing_trio() -> None:
 
 
 class _Request(TrioRequest):
+    """A request that carries its generations' owner, for ``gateway.generates`` to hand its route."""
+
     generations: Generations  # set by _Connection before any handler sees the request
 
 
