@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-import trio.testing
 
 from spark.actors.messages import GenerateRequest, RequestOutput
 from spark.actors.system import SubmitError
