@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
@@ -162,13 +162,17 @@ class LocalModel(ServedModel):
         Raises:
             SubmitError: the system refused it, or the model is being unloaded.
         """
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[GenerateRequest]) -> list[CountedStream]:
+        """``SparkSystem.submit_all`` (the choices of one API request, together), counted."""
         if not self.admitting or self.system is None:
             raise SubmitError(503, "model_switching", f"{self.recipe.served_name} is being unloaded; retry shortly",
                               retry_after=2.0)
-        stream = CountedStream(self.system.submit(request), self)
-        self._streams.add(stream)
+        streams = [CountedStream(s, self) for s in self.system.submit_all(list(requests))]
+        self._streams.update(streams)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        return stream
+        return streams
 
     def _hosted(self) -> SparkSystem:
         if self.system is None:

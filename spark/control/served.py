@@ -6,7 +6,7 @@ the routes hold this protocol, so that what they may use is written down here an
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
 from spark.actors.messages import GenerateRequest, RequestOutput
@@ -66,6 +66,14 @@ class ServedModel(Protocol):
         """Whether it admits requests (its preflight passed, and no switch has begun)."""
 
     def new_request_id(self, prefix: str = "req") -> str: ...
+
+    def submit_all(self, requests: Sequence[GenerateRequest]) -> list[GenerationStream]:
+        """Queue the ``n`` choices of one API request together: one request to the rate limiter,
+        all queued or none.
+
+        Raises:
+            SubmitError: refused (400 too long, 429 rate limited, 503 queue full or switching).
+        """
 
     def submit(self, request: GenerateRequest) -> GenerationStream:
         """Queue ``request``.

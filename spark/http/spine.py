@@ -77,20 +77,15 @@ async def submit_job(model: ServedModel, job: Job, nursery: trio.Nursery, *, tal
     """Submit every choice and start reading them (pumps in ``nursery``); ``tally`` counts their tokens.
 
     Raises:
-        ApiError: the model refused a choice (those already submitted are cancelled).
+        ApiError: the model refused the choices (all of them: they are admitted together).
     """
-    streams = []
     try:
-        for r in job.requests:
-            streams.append(model.submit(r))
-            if tally is not None:
-                tally.add_prompt(r.prompt_ids)
+        streams = model.submit_all(job.requests)
     except SubmitError as exc:
-        with trio.CancelScope(shield=True):
-            for stream in streams:
-                async with stream:  # entering and leaving a stream cancels its request
-                    pass
         raise ApiError.refused(exc) from None
+    if tally is not None:
+        for r in job.requests:
+            tally.add_prompt(r.prompt_ids)
     return await FanIn.start(nursery, streams, tally=tally)
 
 
