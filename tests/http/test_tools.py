@@ -213,7 +213,10 @@ def test_bad_tool_requests_name_the_field(server, body, status, param):
                                 ("search", {"query": "fjords", "limit": 7})]),
 ])
 def test_xml_formats_give_typed_arguments(parser, reply, want_content, want):
-    with replay_server(ReplayEngine(qwen_like_tokenizer(), {"[call]": reply}), tool_call_parser=parser) as server:
+    # A step per token, so that the stream is read as it is made (a reader that falls behind gets
+    # the merged pieces, and the arguments in one fragment).
+    engine = ReplayEngine(qwen_like_tokenizer(), {"[call]": reply}, step_seconds=0.02)
+    with replay_server(engine, tool_call_parser=parser) as server:
         client = server.client()
         r = client.chat.completions.create(**_ask("[call]"))
         with client.chat.completions.stream(**_ask("[call]")) as stream:
