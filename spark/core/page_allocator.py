@@ -2,8 +2,8 @@
 
 Pure Python, no torch: the scheduler asks first (``can_allocate``), then acts
 (``allocate`` / ``append``), and gives everything back with ``free``. Pages are
-reference-counted so that a later prefix cache can share one page among several
-sequences; today every page has one owner.
+reference-counted: ``share`` gives a new sequence pages others hold (a shared prompt
+prefix), and a page returns to the pool when its last holder frees it.
 """
 
 from __future__ import annotations
@@ -86,6 +86,24 @@ class PageAllocator:
             table.append(page)
         self.peak_used = max(self.peak_used, self.num_used)
         return tuple(table)
+
+    def share(self, seq_id, pages) -> tuple[int, ...]:
+        """Give a new sequence ``pages`` that others hold already (a shared prefix): each page
+        counts one more holder and returns to the pool only when the last one frees it.
+        Grow it with ``append``. Returns its block table."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds pages")
+        pages = list(pages)
+        if any(self._refcount[p] < 1 for p in pages):
+            raise ValueError("only pages some sequence holds can be shared")
+        for page in pages:
+            self._refcount[page] += 1
+        self._tables[seq_id] = pages
+        return tuple(pages)
+
+    def holders(self, page: int) -> int:
+        """How many sequences hold ``page``."""
+        return self._refcount[page]
 
     def free(self, seq_id) -> int:
         """Release every page of ``seq_id`` (unknown ids are a no-op). Returns pages returned to the pool."""

@@ -7,9 +7,9 @@ these pages"; prefill, chunked prefill and decode are one case of it, and a
 sequence whose computed tokens reach its known tokens samples its next token.
 
 Room for what comes next: a chunk already counts any number of tokens, so verifying
-speculated tokens is a chunk over more than one new token; a per-row token mask
-(grammar) and a rank's slice of a group (tensor parallelism) are more fields of
-``Chunk`` and ``StepPlan``, with defaults, read by the engine alone.
+speculated tokens is a chunk over more than one new token; a chunk carries its row's
+token mask (grammar); a rank's slice of a group (tensor parallelism) is the engine's
+``Runtime``, and the same plan goes to every rank.
 """
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ import attrs
 
 @attrs.frozen
 class Chunk:
-    """Compute ``num_tokens`` more tokens of ``seq_id``, whose pages are ``block_table``."""
+    """Compute ``num_tokens`` more tokens of ``seq_id``, whose pages are ``block_table``.
+
+    ``token_mask``, when the chunk samples, limits the token it samples to the allowed ones:
+    bit i of the little-endian bytes allows token i (xgrammar's int32 bitmask, as bytes).
+    """
 
     seq_id: Hashable
     num_tokens: int
     block_table: tuple[int, ...]
+    token_mask: bytes | None = None
 
 
 @attrs.frozen

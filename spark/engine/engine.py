@@ -234,6 +234,9 @@ class Engine:
                 raise ValueError(f"plan asks {chunk.num_tokens} tokens of {chunk.seq_id!r}, {s.num_planned - start} left")
             if len(chunk.block_table) * page_size < end:
                 raise ValueError(f"block table of {chunk.seq_id!r} holds {len(chunk.block_table)} pages, needs {end} tokens")
+            if chunk.token_mask is not None and len(chunk.token_mask) * 8 < self.config.vocab_size:
+                raise ValueError(f"a token mask of {len(chunk.token_mask) * 8} bits for a vocabulary of "
+                                 f"{self.config.vocab_size}")
             known = s.num_tokens
             for pos in range(start, end):
                 if pos < known:
@@ -286,7 +289,10 @@ class Engine:
         if not step.seq_ids:
             return
         seqs = [self._seqs[i] for i in step.seq_ids]
-        if replayed is not None and len(sample_rows) == len(ids) and all(s.params.is_plain_greedy for s in seqs):
+        masks = [kept[r].token_mask for r in sample_rows]
+        token_mask = None if all(m is None for m in masks) else self._token_mask(masks)
+        if (replayed is not None and len(sample_rows) == len(ids) and token_mask is None
+                and all(s.params.is_plain_greedy for s in seqs)):
             # The graph took every row's argmax already: no sampler launch, and the
             # next step reads these tokens from the graphs' ring on the device.
             result = SampleOutput(token_ids=greedy)
@@ -302,11 +308,24 @@ class Engine:
                 seeds=tuple(s.seed for s in seqs),
                 steps=tuple(len(s.output_ids) + len(s.pending) for s in seqs),
             )
-            result = self.sampler(logits, batch)
+            result = self.sampler(logits, batch, token_mask)
         step.token_ids = result.token_ids
         step.samples = HostCopy((result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs))
         for row, s in enumerate(seqs):
             s.pending.append((step, row))
+
+    def _token_mask(self, masks: list[bytes | None]) -> torch.Tensor:
+        """[rows, V] bool from each chunk's packed mask (bit i of the little-endian bytes: token i
+        allowed; xgrammar's int32 bitmask read as bytes); a row without one allows every token."""
+        import numpy as np
+
+        vocab = self.config.vocab_size
+        rows = np.ones((len(masks), vocab), dtype=bool)
+        for row, mask in enumerate(masks):
+            if mask is not None:
+                bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")  # (sized by launch)
+                rows[row] = bits[:vocab].astype(bool)
+        return torch.from_numpy(rows).to(self.device, non_blocking=True)
 
     def collect(self) -> list[TokenOutput]:
         """Wait for the oldest launched step; its ``TokenOutput``s, in plan order."""

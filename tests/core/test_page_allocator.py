@@ -138,3 +138,23 @@ def test_random_operations_keep_every_page_in_at_most_one_table():
     for sid in list(lengths):
         a.free(sid)
     assert a.num_free == a.num_total and a.usage == 0.0
+
+
+def test_shared_pages_return_to_the_pool_with_their_last_holder():
+    alloc = PageAllocator(num_pages=9, page_size=4)
+    prefix = alloc.allocate("a", 8)  # 2 pages
+    assert alloc.share("b", prefix) == prefix and alloc.num_used == 2
+    assert [alloc.holders(p) for p in prefix] == [2, 2]
+    grown = alloc.append("b", 12)  # b grows past the shared prefix with a page of its own
+    assert grown[:2] == prefix and alloc.num_used == 3
+    assert alloc.free("a") == 0 and alloc.num_used == 3  # b still holds the prefix
+    assert alloc.free("b") == 3 and alloc.num_used == 0
+
+
+def test_only_held_pages_can_be_shared():
+    alloc = PageAllocator(num_pages=9, page_size=4)
+    with pytest.raises(ValueError, match="only pages"):
+        alloc.share("b", (3,))
+    alloc.allocate("a", 4)
+    with pytest.raises(ValueError, match="already holds"):
+        alloc.share("a", alloc.block_table("a"))

@@ -127,3 +127,31 @@ def test_a_launch_that_raises_leaves_nothing_to_collect(engine, monkeypatch):
     (out,) = engine.step(StepPlan((Chunk("oom", len(ids), alloc.append("oom", len(ids))),)))
     assert out.seq_id == "oom" and out.finish_reason is None
     engine.remove_sequence("oom")
+
+
+def test_a_chunks_token_mask_limits_what_it_samples(engine):
+    """The plan's per-row token mask (the seam for grammars): greedy decoding picks the best
+    allowed token, rows without a mask are untouched."""
+    import numpy as np
+
+    ids = engine.tokenizer.encode(PROMPT)
+    alloc = engine.new_page_allocator()
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    for sid in ("free", "masked"):
+        engine.add_sequence(sid, ids, greedy)
+    (free,) = [o.token_id for o in engine.step(StepPlan((Chunk("free", len(ids), alloc.allocate("free", len(ids))),)))]
+    allowed = np.zeros(engine.vocab_size, dtype=bool)
+    allowed[[7, 4242]] = True
+    mask = np.packbits(allowed, bitorder="little").tobytes()
+    out = engine.step(StepPlan((
+        Chunk("masked", len(ids), alloc.allocate("masked", len(ids)), token_mask=mask),
+        Chunk("free", 1, alloc.append("free", len(ids) + 1)),
+    )))
+    assert out[0].token_id in (7, 4242) and free not in (7, 4242)
+    assert out[1].seq_id == "free"  # decoding on, unmasked
+    with pytest.raises(ValueError, match="token mask of 8 bits"):
+        engine.step(StepPlan((Chunk("masked", 1, alloc.append("masked", len(ids) + 1), token_mask=b"\x01"),)))
+    (after,) = engine.step(StepPlan((Chunk("masked", 1, alloc.block_table("masked")),)))  # refused whole: it steps on
+    assert after.seq_id == "masked" and after.finish_reason == "length"
+    engine.remove_sequence("free")
+    engine.remove_sequence("masked")
