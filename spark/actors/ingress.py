@@ -126,6 +126,9 @@ class Ingress:
         for request in requests:
             self._check(request)
         queue = self._admissions.statistics()
+        if len(requests) > queue.max_buffer_size:  # a 503 would ask for a retry that can never succeed
+            raise SubmitError(400, "invalid_request_error",
+                              f"{len(requests)} choices are more than the server queues at once ({queue.max_buffer_size})")
         room = queue.max_buffer_size - queue.current_buffer_used + queue.tasks_waiting_receive
         if len(requests) > room:  # before the rate limit
             raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0)

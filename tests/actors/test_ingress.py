@@ -126,3 +126,16 @@ async def test_the_choices_of_one_request_are_queued_together_or_not_at_all(auto
         ingress.submit_all(_choices("b", 2, key=None))  # one slot left: not half of them
     assert refused.value.status == 503 and admissions.statistics().current_buffer_used == 2
     assert len(ingress.submit_all(_choices("c", 1, key=None))) == 1
+
+
+async def test_more_choices_than_the_queue_holds_is_a_bad_request_not_a_retry():
+    """Issue 27.10: a 503 with Retry-After for a request that can never fit."""
+    import pytest
+
+    from spark.actors.ingress import SubmitError
+
+    ingress, admissions = _ingress(queue=4)
+    with pytest.raises(SubmitError) as refused:
+        ingress.submit_all(_choices("many", 5, key=None))
+    assert refused.value.status == 400 and "more than the server queues" in refused.value.message
+    assert admissions.statistics().current_buffer_used == 0  # nothing of it was queued
