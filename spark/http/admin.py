@@ -13,13 +13,13 @@ Once any key is configured (``api_keys`` or ``admin_key``), every call needs
 from __future__ import annotations
 
 import hmac
-import json
 
 import trio
 from quart import Blueprint, current_app, g, request
 
 from spark.control.slot import Refusal, Slot
 from spark.http.errors import ApiError
+from spark.http.schemas import read_json
 from spark.http.gateway import refusal_error
 
 bp = Blueprint("inference_admin", __name__, url_prefix="/api/inference")
@@ -125,10 +125,7 @@ async def _json() -> dict:
     data = await request.get_data()
     if not data:
         return {}
-    try:
-        body = json.loads(data)
-    except ValueError:
-        raise ApiError(400, "the body is not JSON") from None
+    body = read_json(data)
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body

@@ -13,7 +13,6 @@ byte), since only then are its tokens known.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -24,6 +23,7 @@ from spark.control.activity import Tally, key_id
 from spark.control.slot import Refusal, Slot
 from spark.control.upstream import UpstreamError
 from spark.http.errors import ApiError
+from spark.http.schemas import read_json
 from spark.http.spine import Serving, not_ready
 from spark.recipes.schema import Recipe
 
@@ -75,9 +75,9 @@ async def _route(slot: Slot | None, tally: Tally) -> Response | None:
     if slot is None:
         return None
     try:
-        body = json.loads(await request.get_data())
-    except ValueError:
-        body = None
+        body = read_json(await request.get_data())
+    except ApiError:
+        body = None  # the route answers its 400
     if not isinstance(body, dict) or not isinstance(body.get("model"), (str, type(None))):
         return None
     name = body.get("model")

@@ -226,16 +226,61 @@ def _format(exc: BaseException, tp: type | None) -> str:
     return cattrs.v.format_exception(exc, tp)
 
 
+MAX_JSON_DEPTH = 64  # far deeper than any API body; deeper ones are refused before anything recurses
+
+
+def read_json(raw: bytes) -> Any:
+    """A request body's JSON, refused with one 400 when it is not JSON any later stage can take:
+    invalid, nested past ``MAX_JSON_DEPTH``, an integer too long to convert, or a string holding
+    a lone surrogate (which no tokenizer, log or database can encode).
+
+    Raises:
+        ApiError: 400 ``invalid_json``, naming where the problem is as ``param`` when it can.
+    """
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") \
+            from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and integers past Python's digit limit
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: Any) -> None:
+    """Depth and lone surrogates, walked without recursion."""
+    stack = [(body, "$", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path)
+                stack.append((item, f"{path}.{key}", depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        param = path.removeprefix("$").lstrip(".") or None
+        raise ApiError(400, f"{path} holds a lone UTF-16 surrogate, which is not text", param=param,
+                       code="invalid_json") from None
+
+
 def parse_body(raw: bytes, cls: type[SamplingFields]) -> Any:
     """Decode a JSON request body into ``cls``.
 
     Raises:
         ApiError: 400, naming the first bad field as ``param``.
     """
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    body = read_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     try:

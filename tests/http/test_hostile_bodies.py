@@ -1,0 +1,43 @@
+"""Bodies no later stage can take get one 400 in their API's shape (issue 27.1-5): nested past any API's
+depth, integers past Python's digit limit, lone UTF-16 surrogates in any string; the server serves on."""
+
+from __future__ import annotations
+
+import pytest
+
+DEEP = b"[" * 5000 + b"]" * 5000
+CHAT = '{"model": "%s", "messages": [{"role": "user", "content": %s}], "max_tokens": 2}'
+
+
+def bodies(model: str):
+    nested = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "metadata": %s}' % (
+        model, "[" * 3000 + "]" * 3000)
+    return [
+        ("/v1/chat/completions", DEEP, None),
+        ("/v1/chat/completions", nested.encode(), None),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+        ("/v1/chat/completions", (CHAT % (model, '"\\ud800"')).encode(), "messages[0].content"),
+        ("/v1/completions", b'{"prompt": "a\\udfffb", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", (CHAT % ("\\ud800", '"hi"')).encode(), "model"),
+        ("/v1/messages", b'{"model": "m", "max_tokens": 2, "system": "\\ud800", "messages": []}', "system"),
+        ("/v1/responses", b'{"input": "hi", "metadata": {"k": "\\udc00"}}', "metadata.k"),
+        ("/v1/responses", b'{"input": "hi", "instructions": "\\ud83d"}', "instructions"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_hostile_bodies_get_a_400_in_the_apis_shape(server, case):
+    path, body, param = bodies(server.model)[case]
+    with server.http() as http:
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        payload = r.json()
+        if path == "/v1/messages":
+            assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
+        else:
+            assert payload["error"]["code"] == "invalid_json" and payload["error"]["message"]
+            assert payload["error"]["param"] == param
+        assert "Traceback" not in r.text
+        assert http.get("/health").status_code == 200
+        ok = http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200
