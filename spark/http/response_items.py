@@ -98,10 +98,14 @@ def input_items(value: str | list[dict] | None, *, param: str = "input") -> list
     out = []
     for i, item in enumerate(value):
         where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"an input item is an object, got {type(item).__name__}", param=where)
+        if not isinstance(item.get("id"), (str, type(None))):
+            raise ApiError(400, f"an item id is a string, got {type(item['id']).__name__}", param=f"{where}.id")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise ApiError(400, f"unsupported role {role!r}; use user, system, developer or assistant",
                                param=f"{where}.role")
             out.append(message_item(role, _text(item.get("content"), f"{where}.content"), item.get("id")))

@@ -41,3 +41,19 @@ def test_hostile_bodies_get_a_400_in_the_apis_shape(server, case):
         assert http.get("/health").status_code == 200
         ok = http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 1})
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/responses", {"input": [{"role": {"x": 1}, "content": "hi"}]}, "input[0].role"),
+    ("/v1/responses", {"input": [{"role": ["user"], "content": "hi"}]}, "input[0].role"),
+    ("/v1/responses", {"input": ["hi"]}, "input[0]"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "hi", "id": {"a": 1}}]}, "input[0].id"),
+    ("/v1/conversations", {"items": [{"role": 7, "content": "hi"}]}, "items[0].role"),
+    ("/v1/conversations", {"items": [{"role": "user", "content": "hi", "id": [1]}]}, "items[0].id"),
+])
+def test_wrong_typed_roles_and_ids_are_a_400(server, path, body, param):
+    """Issue 27.6-7: a non-string role was a TypeError, a non-scalar id a SQLite error (500)."""
+    with server.http() as http:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (r.status_code, r.text[:300])
+        assert r.json()["error"]["param"] == param
