@@ -262,7 +262,13 @@ class OutputBuilder:
         return out
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict:
+def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
+
+
+def reasoning_text(output: list[dict]) -> str:
+    """The text of a response's reasoning items."""
+    return "".join(p.get("text", "") for item in output if item.get("type") == "reasoning"
+                   for p in item.get("content") or ())

@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 
 import attrs
@@ -32,7 +33,7 @@ from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
-                                       chat_messages, chat_tools, input_items, new_id, usage)
+                                       chat_messages, chat_tools, input_items, new_id, reasoning_text, usage)
 from spark.http.schemas import parse_body
 from spark.http.spine import Serving
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
@@ -113,7 +114,10 @@ async def create_response(serving: Serving):
     job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key)
     fanin = await spine.submit(serving, job)
     head = _response_head(rid, req, serving.model.served_name, conversation_id, stage)
-    run = _Run(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store)
+    tokenizer = serving.model.tokenizer
+    count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text)))
+    run = _Run(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store,
+               count_tokens=count)
     if job.stream:
         if run.store is not None:
             try:
@@ -184,7 +188,15 @@ class _Run:
     store: AsyncStore | None  # None: store=false
     conversation_id: str | None
     conversations: AsyncStore | None  # appended to even with store=false
+    count_tokens: Callable[[str], int] | None = None  # the tokenizer's count of a text, for reasoning_tokens
     final: dict | None = None
+
+    def _reasoning_tokens(self, output: list[dict], output_tokens: int) -> int:
+        """The output's reasoning in tokens: its text re-encoded (the parser sees text, not ids)."""
+        text = reasoning_text(output)
+        if not text or self.count_tokens is None:
+            return 0
+        return min(output_tokens, self.count_tokens(text))
 
     async def events(self, fanin: FanIn, parser: TurnParser, *, stream: bool):
         """The ``response.*`` events (without sequence numbers); the last one carries the final response."""
@@ -210,8 +222,9 @@ class _Run:
                     for out in builder.close("incomplete" if incomplete else "completed"):
                         yield out
                     self.final = {**self.head, "status": "incomplete" if incomplete else "completed",
-                                  "output": builder.output, "usage": usage(self.prompt_tokens,
-                                                                           event.usage.completion_tokens),
+                                  "output": builder.output, "usage": usage(
+                                      self.prompt_tokens, event.usage.completion_tokens,
+                                      self._reasoning_tokens(builder.output, event.usage.completion_tokens)),
                                   "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                                   "completed_at": round(time.time(), 3)}
                     await self._save()

@@ -160,10 +160,13 @@ def test_reasoning_output_item(client):
     reasoning, message = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Short answer."
     assert message.type == "message" and r.output_text == "Seven."
+    # issue 18.5: the reasoning's tokens are counted (it was always 0)
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
     with client.responses.stream(model="replay", input="Pick [think]") as stream:
         kinds = {e.type for e in stream}
         final = stream.get_final_response()
     assert "response.reasoning_text.delta" in kinds and [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens_details.reasoning_tokens
 
 
 def test_conversation_of_three_turns(client, engine):
