@@ -14,8 +14,9 @@ template as given. Before rendering (``template_messages``):
 
 Thinking: ``chat_format`` turns reasoning parsing on for models that write ``<think>``.
 A request's thinking switch is ``chat_template_kwargs["enable_thinking"]`` if given, else
-``enable_thinking`` (an API's own switch), else on unless the server has ``disable_thinking``;
-it is passed to the template as ``enable_thinking``. Thinking off gives the engine a budget
+``enable_thinking`` (an API's own switch), else on; the server's ``disable_thinking`` is a
+kill-switch that turns it off whatever the request says. It is passed to the template as
+``enable_thinking``. Thinking off gives the engine a budget
 of 0 (a block the model opens anyway is closed at once); on, the budget is the request's
 (``thinking_budget``, or ``EFFORT_BUDGETS[reasoning_effort]``) capped by the server's
 ``max_thinking_budget``, which is also the default. The engine enforces a budget only for
@@ -48,7 +49,7 @@ class ChatFormat:
 
     tool_parser: str | None  # "hermes" | "qwen3_coder" | "minimax"; None: calls are not parsed
     reasoning: bool  # split <think> blocks off as reasoning
-    thinking_default: bool = True  # thinking on when a request does not say
+    thinking_allowed: bool = True  # False (the server's disable_thinking): off, whatever a request says
     max_thinking_budget: int | None = None  # reasoning tokens at most per request; None: unlimited
 
 
@@ -224,7 +225,8 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
     if not isinstance(kwargs.get("enable_thinking", False), bool):
         raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
                        param="chat_template_kwargs.enable_thinking")
-    thinking = kwargs.get("enable_thinking", fmt.thinking_default if enable_thinking is None else enable_thinking)
+    thinking = kwargs.get("enable_thinking", True if enable_thinking is None else enable_thinking)
+    thinking = thinking and fmt.thinking_allowed  # the server's kill-switch wins over every request
     if fmt.reasoning:
         kwargs["enable_thinking"] = thinking
     try:

@@ -136,13 +136,17 @@ def test_server_settings_for_thinking():
     tok = qwen_like_tokenizer()
     config = ServeConfig(disable_thinking=True, max_thinking_budget=7)
     off = chat_format(config, tok)
-    assert off == ChatFormat("hermes", True, thinking_default=False, max_thinking_budget=7)
+    assert off == ChatFormat("hermes", True, thinking_allowed=False, max_thinking_budget=7)
     hello = [{"role": "user", "content": "hi"}]
     assert prepare_turn(tok, off, hello).prompt.text.endswith("<think>\n\n</think>\n\n")
     assert prepare_turn(tok, off, hello).thinking_budget == 0
-    on = prepare_turn(tok, off, hello, chat_template_kwargs={"enable_thinking": True})  # a request turns it on
-    assert not on.prompt.text.endswith("</think>\n\n") and on.thinking_budget == 7
-    assert prepare_turn(tok, off, hello, enable_thinking=True, thinking_budget=3).thinking_budget == 3
+    # a kill-switch (issue 18.4): no request turns it back on, by any API's switch
+    for asks in ({"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True, "thinking_budget": 3}):
+        still_off = prepare_turn(tok, off, hello, **asks)
+        assert still_off.prompt.text.endswith("<think>\n\n</think>\n\n") and still_off.thinking_budget == 0
+    on = chat_format(ServeConfig(max_thinking_budget=7), tok)
+    assert prepare_turn(tok, on, hello).thinking_budget == 7
+    assert prepare_turn(tok, on, hello, enable_thinking=True, thinking_budget=3).thinking_budget == 3
     assert chat_format(ServeConfig(reasoning_parser="none"), tok).reasoning is False
 
 
