@@ -334,6 +334,9 @@ class Slot:
                 if reason:
                     card["unavailable_reason"] = reason
                 cards.append(card)
+        if self.state == "active" and self.active is not None:  # the reserved names: the active model's
+            active = next(c for c in cards if c["id"] == self.active.served_name)
+            cards += [{**active, "id": name, "alias_of": self.active.served_name} for name in RESERVED_NAMES]
         return cards
 
     def model_card(self, name: str, created: int) -> dict | None:

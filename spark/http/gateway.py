@@ -88,6 +88,7 @@ async def _route(slot: Slot | None, tally: Tally) -> Response | None:
         raise refusal_error(r) from None
     tally.recipe, tally.served_model = recipe.id, recipe.served_name
     g.spark_served = recipe.served_name
+    g.spark_profile = recipe.id  # the profile that answers: an upstream one for a proxied request
     if recipe.engine == "upstream":
         return await _proxy(slot, recipe, body, tally)
     return None
@@ -112,7 +113,7 @@ async def _label(state, response: Response) -> Response:
     if slot is None:
         return response
     active = slot.active if slot.state == "active" else None
-    response.headers["X-Spark-Active-Profile"] = active.id if active else "none"
+    response.headers["X-Spark-Active-Profile"] = g.get("spark_profile") or (active.id if active else "none")
     response.headers["X-Spark-Served-Model"] = g.get("spark_served") or (active.served_name if active else "none")
     tally = g.get("spark_tally")
     if tally is not None:

@@ -70,7 +70,7 @@ async def test_names_and_switching_on_demand(catalog):
         draft = catalog.get("tiny-d")
         await slot.switch_to(draft).wait()  # by id it comes up, and then answers to its name
         assert slot.route("tiny-d") is draft
-        assert [c["id"] for c in slot.model_cards(0) if c["state"] == "active"] == ["tiny-d"]
+        assert [c["id"] for c in slot.model_cards(0) if c["state"] == "active"] == ["tiny-d", "sparky"]
         await slot.take_down().wait()
         assert slot.state == "idle" and slot.model is None and published[-1] is None
         assert _refusal(slot, None).code == "no_active_model"

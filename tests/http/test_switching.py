@@ -109,7 +109,8 @@ def test_models_lists_every_enabled_name_with_its_state(server):
     assert {"smol-a", "smol-alpha", "smol-b", "tiny", "tiny-2", "gone", "m-valid-one", "v2"} <= set(states)
     assert states["gone"] == "unavailable" and "/nowhere" in cards["gone"]["unavailable_reason"]
     assert cards["smol-alpha"]["alias_of"] == "smol-a"
-    assert "tiny-draft" not in states and "sparky" not in states
+    assert "tiny-draft" not in states
+    assert states["sparky"] == "active" and cards["sparky"]["alias_of"] == active  # listed (issue 18.8)
     assert server.client().models.retrieve("sparky").id == active
     with server.http(KEY) as http:
         r = http.post("/v1/chat/completions", json={"model": "gone", "messages": [{"role": "user", "content": "x"}]})

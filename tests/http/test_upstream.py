@@ -58,10 +58,15 @@ def test_a_named_upstream_is_proxied_without_a_switch(servers):
     raw = front.client().chat.completions.with_raw_response.create(model="remote", messages=MESSAGES, max_tokens=6)
     answer = raw.parse()
     assert answer.model == "remote" and answer.choices[0].message.content and answer.usage.completion_tokens > 0
-    assert raw.headers["X-Spark-Served-Model"] == "remote" and raw.headers["X-Spark-Active-Profile"] == "tiny"
+    # the profile that answered, not the local one (issue 18.8)
+    assert raw.headers["X-Spark-Served-Model"] == "remote" and raw.headers["X-Spark-Active-Profile"] == "remote"
     direct = back.client().chat.completions.create(model="sparky", messages=MESSAGES, max_tokens=6, temperature=0)
     assert answer.choices[0].message.content == direct.choices[0].message.content  # the recipe's temperature 0
     assert front.slot.state == "active" and front.slot.active.id == "tiny"  # the local model stayed up
+    local = front.client().chat.completions.with_raw_response.create(model="sparky", messages=MESSAGES, max_tokens=2)
+    assert local.headers["X-Spark-Active-Profile"] == "tiny"
+    cards = {m.id: m for m in front.client().models.list().data}
+    assert "sparky" in cards and cards["sparky"].alias_of == "tiny" and cards["sparky"].state == "active"
 
 
 def test_streams_are_relayed_and_counted(servers):
@@ -107,7 +112,7 @@ def test_an_upstream_brought_up_takes_sparky_and_frees_the_local_model(servers):
     raw = front.client().chat.completions.with_raw_response.create(model="sparky", messages=MESSAGES, max_tokens=3)
     assert raw.parse().model == "remote" and raw.headers["X-Spark-Active-Profile"] == "remote"
     cards = {m.id: m.model_extra["state"] for m in front.client().models.list().data}
-    assert cards == {"tiny": "available", "remote": "active", "far": "active", "dead": "available"}
+    assert cards == {"tiny": "available", "remote": "active", "far": "active", "dead": "available", "sparky": "active"}
     with front.http(ADMIN) as http:
         assert http.post("/api/inference/up", json={"id": "tiny", "wait": True}).status_code == 200
     assert front.client().completions.create(model="sparky", prompt="t1", max_tokens=2).model == "tiny"
