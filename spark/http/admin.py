@@ -21,6 +21,7 @@ from spark.control.slot import Refusal, Slot
 from spark.http.errors import ApiError
 from spark.http.schemas import read_json
 from spark.http.gateway import refusal_error
+from spark.http.keys import keyring
 
 bp = Blueprint("inference_admin", __name__, url_prefix="/api/inference")
 
@@ -55,7 +56,7 @@ def _check_admin_key() -> None:
         raise ApiError(401, "the admin API needs `Authorization: Bearer <admin key>`", code="invalid_api_key")
     if admin and hmac.compare_digest(token, admin.encode()):
         return
-    if request.method == "GET" and any(hmac.compare_digest(token, k.encode()) for k in keys):
+    if request.method == "GET" and token in keyring(tuple(keys)):
         return
     if request.method != "GET" and not admin:
         raise ApiError(403, "switching needs the admin key, and none is configured (set admin_key)",

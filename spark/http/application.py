@@ -13,7 +13,6 @@ until its response body has been sent, or the client has gone.
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import time
 
@@ -34,6 +33,7 @@ from spark.core.interfaces import LoadedEngine
 from spark.http import admin, anthropic, errors, gateway, responses, routes
 from spark.http.errors import ApiError
 from spark.http.fanin import Generations
+from spark.http.keys import keyring
 from spark.http.params import Limits
 from spark.recipes.schema import Recipe
 from spark.recipes.serving import catalog_for, engine_dtype, recipe_config
@@ -213,16 +213,15 @@ async def _authenticate(state: SparkState) -> None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if request.path.startswith(anthropic.PREFIX) and request.headers.get("x-api-key", "").strip():
         scheme, token = "bearer", request.headers["x-api-key"]  # Anthropic's clients send their key so
-    if scheme.lower() != "bearer" or not token.strip() or not any(
-        hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
-    ):
+    ring = keyring(tuple(keys))
+    if scheme.lower() != "bearer" or not token.strip() or token.strip() not in ring:
         g.body_unread = True  # refused before the body was read: the connection must not be reused
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>`"
                        + (" or `x-api-key: <key>`" if request.path.startswith(anthropic.PREFIX) else ""),
                        code="invalid_api_key")
     token = token.strip()
-    if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
+    if token not in ring:
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     g.api_key = token
 
