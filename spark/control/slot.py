@@ -140,7 +140,7 @@ class Slot:
         if self.switching:
             if self.target is recipe:
                 return self._switched
-            raise Refusal(409, "switch_in_progress", f"a switch to {self.target.id} is in progress",
+            raise Refusal(409, "switch_in_progress", f"{self._under_way()} is in progress",
                           retry_after=self.eta())
         if self.state == "active" and self.active is recipe:
             done = trio.Event()
@@ -161,7 +161,7 @@ class Slot:
             Refusal: 409 while a switch runs.
         """
         if self.switching:
-            raise Refusal(409, "switch_in_progress", f"a switch to {self.target.id} is in progress",
+            raise Refusal(409, "switch_in_progress", f"{self._under_way()} is in progress",
                           retry_after=self.eta())
         self._begin(None, grace_s=self.config.switch_grace_s if grace_s is None else grace_s)
         self._nursery.start_soon(self._switch, None)
@@ -271,7 +271,7 @@ class Slot:
         if recipe.engine == "upstream":
             return recipe  # proxied at once: the slot is not involved
         if self.switching:
-            what = "loading" if self.target is recipe else f"busy switching to {self.target.served_name}"
+            what = "loading" if self.target is recipe else f"busy {self._under_way()}"
             raise Refusal(503, "model_loading", f"model {name!r} is not ready: the server is {what}; retry shortly",
                           retry_after=self.eta())
         if not self.config.switch_on_demand:
@@ -286,10 +286,14 @@ class Slot:
 
     def _not_ready(self) -> Refusal:
         if self.switching:
-            return Refusal(503, "model_loading", f"the server is switching to {self.target.served_name}; retry shortly",
+            return Refusal(503, "model_loading", f"the server is {self._under_way()}; retry shortly",
                            retry_after=self.eta())
         why = f" (the last load failed: {self.error})" if self.state == "failed" else ""
         return Refusal(503, "no_active_model", f"no model is active{why}: name one, or run `spark inference up <id>`")
+
+    def _under_way(self) -> str:
+        """What the switch in progress does: a switch to a recipe, or taking the model down (no target)."""
+        return "taking the model down" if self.target is None else f"switching to {self.target.served_name}"
 
     def known_names(self) -> list[str]:
         return [n for r in self.catalog.enabled for n in r.names]

@@ -71,7 +71,15 @@ async def test_names_and_switching_on_demand(catalog):
         await slot.switch_to(draft).wait()  # by id it comes up, and then answers to its name
         assert slot.route("tiny-d") is draft
         assert [c["id"] for c in slot.model_cards(0) if c["state"] == "active"] == ["tiny-d", "sparky"]
-        await slot.take_down().wait()
+        down = slot.take_down()
+        # while it goes down (no target): refusals, not an AttributeError (issue 27.8)
+        assert "taking the model down" in _refusal(slot, "ta").message and _refusal(slot, "ta").status == 503
+        assert _refusal(slot, None).code == "model_loading"
+        for again in (lambda: slot.switch_to(a), slot.take_down):
+            with pytest.raises(Refusal, match="taking the model down is in progress") as busy:
+                again()
+            assert busy.value.status == 409
+        await down.wait()
         assert slot.state == "idle" and slot.model is None and published[-1] is None
         assert _refusal(slot, None).code == "no_active_model"
         slot.stop()
