@@ -102,6 +102,19 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a commit is fsynced before it returns
         self._db.executescript(_SCHEMA + _TRIGGERS)
+        self._fail_unfinished()
+
+    def _fail_unfinished(self) -> None:
+        """Responses left in_progress by a server that stopped mid-generation will never finish:
+        they become failed, so that a client polling one learns so (one server per state file)."""
+        error = {"code": "server_error", "message": "the server stopped before this response was finished"}
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, body FROM responses WHERE json_extract(body, '$.status') = 'in_progress'").fetchall()
+            for rid, body in rows:
+                response = json.loads(body)
+                new = _dump({**response, "status": "failed", "error": error})
+                self._db.execute("UPDATE responses SET body = ?, bytes = ? WHERE id = ?", (new, len(new), rid))
 
     def close(self) -> None:
         with self._lock:

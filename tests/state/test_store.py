@@ -125,3 +125,17 @@ def test_async_store_runs_in_threads(tmp_path):
         store.sync.close()
 
     trio.run(main)
+
+
+def test_responses_a_stopped_server_left_in_progress_are_failed_at_the_next_start(tmp_path):
+    """Issue 27: a response cut right after response.created stayed in_progress forever."""
+    store = _store(tmp_path)
+    store.put_response("o", _response("resp_cut", status="in_progress"))
+    store.put_response("o", _response("resp_done", status="completed"))
+    store.close()
+    store = _store(tmp_path)
+    cut, done = store.get_response("o", "resp_cut"), store.get_response("o", "resp_done")
+    assert cut["status"] == "failed" and "stopped" in cut["error"]["message"]
+    assert cut["output"] == _response("resp_cut")["output"]  # nothing else of it changed
+    assert done["status"] == "completed" and "error" not in done
+    store.close()
