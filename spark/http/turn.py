@@ -125,6 +125,10 @@ class TurnParser:
         self._stream = ChatOutputParser(tool_parser, reasoning, tools, prompt_ends_in_thinking, id_prefix=id_prefix)
         self._violation: str | None = None
         self._done: TurnDone | None = None
+        # Under "required", content waits for the first call: a reply that makes none ends in an
+        # error, and a stream must not have sent content it then disowns.
+        self._held: list[ContentDelta] = []
+        self._called = False
 
     def feed(self, text: str) -> list[TurnEvent]:
         """Add output text; returns the content, reasoning and tool-call deltas now certain."""
@@ -154,7 +158,11 @@ class TurnParser:
             return events
         if self._violation is None:
             events += self.flush()
-        return events + [self._end(piece, piece.finish_reason)]
+        done = self._end(piece, piece.finish_reason)
+        if done.error is None:
+            events += self._held  # cut off before a call ("length"): the content was the reply after all
+        self._held = []
+        return events + [done]
 
     def fail(self, message: str) -> TurnDone:
         """End the turn with a generation error (the stream broke off)."""
@@ -192,6 +200,13 @@ class TurnParser:
                 if event.name is not None and wanted is not None and event.name != wanted:
                     self._violation = f"tool_choice requires a call to {wanted!r}, the model called {event.name!r}"
                     break
+                if not self._called:
+                    self._called = True
+                    out += self._held
+                    self._held = []
+            elif isinstance(event, ContentDelta) and self.tool_choice.mode == "required" and not self._called:
+                self._held.append(event)
+                continue
             out.append(event)
         return out
 

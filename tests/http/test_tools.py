@@ -119,6 +119,8 @@ def test_required_tool_choice_without_a_call_is_an_error(server):
     events = _stream_raw(server, _ask("[no-call]", tool_choice="required"))
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "tool_choice_not_satisfied"
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+    # no content it then disowns (issue 18.7): the reply's text never went out before the error
+    assert not any(e["choices"][0]["delta"].get("content") for e in events[:-2])
     with pytest.raises(openai.APIError, match="tool_choice"):  # the SDK raises on the error event
         for _ in client.chat.completions.create(**_ask("[no-call]", tool_choice="required"), stream=True):
             pass
