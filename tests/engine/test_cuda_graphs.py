@@ -124,7 +124,7 @@ def test_graph_steps_decode_the_tokens_of_eager_steps(engine, mix, in_flight):
     assert engine.graph_progress() == (3, 3)  # buckets 1, 2 and 4, all "captured"
     sampled = []
     sampler = engine.sampler
-    engine.sampler = lambda logits, batch: sampled.append(len(batch)) or sampler(logits, batch)
+    engine.sampler = lambda logits, batch, *mask: sampled.append(len(batch)) or sampler(logits, batch, *mask)
     try:
         assert _decode(engine, prompts, in_flight=in_flight) == eager
     finally:
