@@ -281,3 +281,16 @@ async def test_run_turn_streams_events_and_collect_gives_the_same_done():
         short = await run_turn(system, cut, turn.parser()).collect()  # no call yet, but cut off: not a violation
         assert short.finish_reason == "length" and short.error is None and short.usage.completion_tokens == 5
         assert short.result.content == tok.decode(tok.encode(HERMES_TWO)[:5])
+
+
+def test_a_streamed_required_call_never_sends_the_content_it_disowns():
+    """Issue 18.7: a token a step, so the reply streams as it is made; under tool_choice "required"
+    a reply with no call used to send its content deltas and then the error."""
+    engine = ReplayEngine(qwen_like_tokenizer(), REPLIES, step_seconds=0.01)
+    with replay_server(engine) as server:
+        events = _stream_raw(server, _ask("[no-call]", tool_choice="required"))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "tool_choice_not_satisfied"
+        assert not any(e["choices"][0]["delta"].get("content") for e in events[:-2])
+        plain = _stream_raw(server, _ask("[no-call]"))  # under "auto" the same reply streams as content
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in plain[:-1] if e["choices"]) \
+            == REPLIES["[no-call]"]
