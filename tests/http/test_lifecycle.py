@@ -28,7 +28,7 @@ def test_health_models_metrics(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         assert "spark_kv_pages_used" in r.text
     models = server.client().models.list().data
-    assert [m.id for m in models] == [server.model]
+    assert [m.id for m in models] == [server.model, "sparky"]  # the active model, and its reserved name
     assert models[0].owned_by == "spark" and models[0].model_extra["max_model_len"] > 0
     assert server.client().models.retrieve("sparky").id == server.model
 
@@ -57,6 +57,9 @@ def _open_and_drop_a_stream(http, model: str) -> None:
         assert r.status_code == 200
         events = [line for line, _ in zip(r.iter_lines(), range(8)) if line.startswith("data:")]
         assert len(events) >= 3
+        deadline = time.monotonic() + 2  # the gauges follow the core's turns (another thread)
+        while _metric(http, "spark_kv_pages_used") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert _metric(http, "spark_kv_pages_used") > 0  # it is running
 
 
