@@ -38,6 +38,17 @@ class LoadedEngine(Protocol):
         """Free the model's memory (a profile switch, or shutdown); unusable after."""
 
 
+def register(engine: "StepEngine", plan: StepPlan) -> None:
+    """What a plan asks before its chunks: forget its ended sequences, reset its preempted ones,
+    register its new ones (every ``StepEngine.launch`` starts here)."""
+    for seq_id in plan.removed:
+        engine.remove_sequence(seq_id)
+    for seq_id in plan.reset:
+        engine.reset_computed(seq_id)
+    for new in plan.added:
+        engine.add_sequence(new.seq_id, new.prompt_ids, new.params)
+
+
 class StepEngine(LoadedEngine, Protocol):
     """An engine the core drives: sequences in, one planned step at a time, tokens out.
 

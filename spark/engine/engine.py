@@ -27,6 +27,7 @@ from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, num_pages_for_budget
 from spark.engine.models.runtime import Model, Runtime, build_model
+from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan, TokenOutput
 from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
@@ -216,7 +217,7 @@ class Engine:
         Raises:
             ValueError: the plan asks tokens a sequence does not have, or pages it lacks.
         """
-        self._register(plan)
+        register(self, plan)
         if any(self._waits_on_host(c) for c in plan.chunks):
             self._complete_all()  # penalties and forced tokens need the previous tokens on the host
         elif self.graphs is not None:
@@ -260,15 +261,6 @@ class Engine:
         if kept:
             self._queue(step, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds)
         self._inflight.append(step)  # only once queued: a launch that raised leaves nothing to collect
-
-    def _register(self, plan: StepPlan) -> None:
-        """Forget the plan's ended sequences, reset its preempted ones, register its new ones."""
-        for seq_id in plan.removed:
-            self.remove_sequence(seq_id)
-        for seq_id in plan.reset:
-            self.reset_computed(seq_id)
-        for new in plan.added:
-            self.add_sequence(new.seq_id, new.prompt_ids, new.params)
 
     def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds) -> None:
         """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device."""

@@ -22,6 +22,7 @@ from collections import deque
 import attrs
 
 from spark.core.plan import StepPlan, TokenOutput
+from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.engine.sampling import SamplingParams
 
@@ -163,12 +164,7 @@ class EngineDouble:
         Like the real engine, chunks of sequences that ended are dropped (a pipelined
         scheduler plans the next step before it learns of an end).
         """
-        for seq_id in plan.removed:
-            self.remove_sequence(seq_id)
-        for seq_id in plan.reset:
-            self.reset_computed(seq_id)
-        for new in plan.added:
-            self.add_sequence(new.seq_id, new.prompt_ids, new.params)
+        register(self, plan)
         plan = StepPlan(tuple(c for c in plan.chunks if c.seq_id in self.sequences or c.seq_id not in self.ended))
         if not plan.chunks:
             return []
