@@ -191,11 +191,12 @@ class Core:
             return
         self.scheduler.on_step_done(chunks, (o.seq_id for o in result.outputs), now, result.seconds)
         self._observe(chunks, result)
-        for doomed in [o.seq_id for o in result.outputs if o.seq_id in self._doomed]:
-            self._doomed.discard(doomed)
-            if doomed in self._active:
-                self._end(doomed)
-                events.append(Failed(doomed, "the request was told to fail (faults)"))
+        if self._doomed:  # only with faults configured: no pass over the outputs otherwise
+            for doomed in [o.seq_id for o in result.outputs if o.seq_id in self._doomed]:
+                self._doomed.discard(doomed)
+                if doomed in self._active:
+                    self._end(doomed)
+                    events.append(Failed(doomed, "the request was told to fail (faults)"))
         outputs = tuple(o for o in result.outputs if o.seq_id in self._active)  # not cancelled meanwhile
         for out in outputs:
             if out.finish_reason is not None:

@@ -281,8 +281,9 @@ class Engine:
         if not step.seq_ids:
             return
         seqs = [self._seqs[i] for i in step.seq_ids]
-        masks = [kept[r].token_mask for r in sample_rows]
-        token_mask = None if all(m is None for m in masks) else self._token_mask(masks)
+        token_mask = None
+        if any(kept[r].token_mask is not None for r in sample_rows):  # (a pass, no list, in the usual case)
+            token_mask = self._token_mask([kept[r].token_mask for r in sample_rows])
         if (replayed is not None and len(sample_rows) == len(ids) and token_mask is None
                 and all(s.params.is_plain_greedy for s in seqs)):
             # The graph took every row's argmax already: no sampler launch, and the
