@@ -38,6 +38,8 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at REAL NOT NULL,
     previous_response_id TEXT, conversation_id TEXT, body TEXT NOT NULL, bytes INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS responses_age ON responses(created_at);
+-- the few unfinished ones, found at start-up without reading every body
+CREATE INDEX IF NOT EXISTS responses_unfinished ON responses(id) WHERE json_extract(body, '$.status') = 'in_progress';
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at REAL NOT NULL, used_at REAL NOT NULL,
     body TEXT NOT NULL, bytes INTEGER NOT NULL);
