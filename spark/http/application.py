@@ -42,7 +42,8 @@ from spark.serve_config import ServeConfig
 log = logging.getLogger("spark.http")
 
 NEEDS_TRIO = "Spark's HTTP server needs hypercorn's trio worker: run `hypercorn -k trio spark.http:app`"
-SHUTDOWN_GRACE_S = 10.0  # for the slot (and its actor system) to close after the last request
+SHUTDOWN_GRACE_S = 10.0
+BODY_GRACE_S = 0.05  # how long an answer given before its request's body arrived waits for that body  # for the slot (and its actor system) to close after the last request
 
 
 @attrs.define(eq=False)
@@ -90,7 +91,40 @@ class _Connection(TrioASGIHTTPConnection):
 
     When the request ends, every generation it started is closed (``Generations``): even one
     whose response body never started, as when the client leaves before the first byte.
+
+    A response that starts before the request's body has arrived (a 404, 405 or 401 answered from
+    the headers alone) says ``Connection: close``: the rest of the body is still on the wire, and
+    a client that reused the connection would wait forever for an answer to bytes hypercorn
+    takes for the body. The response's last message is sent shielded, because hypercorn closes
+    (or recycles) the connection inside that call, and the client's disconnect it reports there
+    cancels this request's nursery: unshielded, the close was cut off and the socket stayed open.
     """
+
+    async def __call__(self, receive, send) -> None:
+        self._body_received = trio.Event()
+        if not _announces_body(self.scope):
+            self._body_received.set()
+
+        async def receive_noting_the_end():
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                self._body_received.set()
+            return message
+
+        await super().__call__(receive_noting_the_end, functools.partial(self._send, send))
+
+    async def _send(self, send, message) -> None:
+        if message["type"] == "http.response.start" and not self._body_received.is_set():
+            with trio.move_on_after(BODY_GRACE_S):  # a body sent with its headers is only not read yet
+                await self._body_received.wait()
+        if message["type"] == "http.response.start" and not self._body_received.is_set():
+            headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                await send(message)
+            return
+        await send(message)
 
     async def handle_request(self, nursery: trio.Nursery, request: _Request, send) -> None:
         async with trio.open_nursery() as generations:
@@ -99,6 +133,15 @@ class _Connection(TrioASGIHTTPConnection):
                 await super().handle_request(nursery, request, send)
             finally:
                 request.generations.close()
+
+
+def _announces_body(scope) -> bool:
+    """Whether the request's headers say a body follows (a length above 0, or chunks)."""
+    for name, value in scope["headers"]:
+        name = name.lower()
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"0", b"")):
+            return True
+    return False
 
 
 def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None = None) -> QuartTrio:
