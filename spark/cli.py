@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--scheduler-depth", type=int, default=None,
                      help="engine steps planned ahead (default 3)")
     srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--cpu-threads", type=int, default=None,
+                     help="torch threads of a CPU engine (default: the usable cores less one, at least 1)")
     srv.add_argument("--api-key", action="append", default=None, help="accepted Bearer key (repeatable)")
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")
     srv.add_argument("--recipes", default=None, help="the recipes directory (default with --recipe: recipes/)")
@@ -106,7 +108,7 @@ def _serve(args) -> int:
         host=args.host, port=args.port, model=args.model, served_name=args.served_name, device=args.device,
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, max_model_len=args.max_model_len,
-        api_keys=tuple(args.api_key) if args.api_key else None,
+        cpu_threads=args.cpu_threads, api_keys=tuple(args.api_key) if args.api_key else None,
         recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, **_state_paths(),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,

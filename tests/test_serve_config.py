@@ -39,3 +39,33 @@ def test_the_cli_offers_the_registrys_parser_names(capsys):
     usage = capsys.readouterr().out
     assert "{" + ",".join(TOOL_CALL_PARSER_CHOICES) + "}" in usage
     assert "{" + ",".join(REASONING_PARSER_CHOICES) + "}" in usage
+
+
+def test_cpu_threads_leave_the_event_loop_a_core(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert ServeConfig().resolved_cpu_threads() == 1  # two shared cores: one for torch, one for the loop
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    assert ServeConfig().resolved_cpu_threads() == 15
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0}, raising=False)
+    assert ServeConfig().resolved_cpu_threads() == 1
+    assert ServeConfig.from_env({"SPARK_CPU_THREADS": "3"}).resolved_cpu_threads() == 3
+    with pytest.raises(ValueError, match="cpu_threads"):
+        ServeConfig.from_env({"SPARK_CPU_THREADS": "0"})
+
+
+def test_a_cpu_engine_loads_with_those_threads():
+    import torch
+    import trio
+
+    from spark.control.local import load_engine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = trio.run(load_engine, ServeConfig(model="dummy:tiny-llama", device="cpu", cpu_threads=1))
+        assert torch.get_num_threads() == 1
+        engine.close()
+    finally:
+        torch.set_num_threads(before)

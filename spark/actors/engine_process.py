@@ -46,8 +46,12 @@ class EngineProcess:
         self.page_size = facts.page_size
 
     @classmethod
-    def start(cls, model: str | None, *, graphs_max_batch: int = 0, **load_kwargs) -> "EngineProcess":
+    def start(cls, model: str | None, *, graphs_max_batch: int = 0, cpu_threads: int | None = None,
+              **load_kwargs) -> "EngineProcess":
         """Spawn the process, load ``model`` there (``Engine.load`` kwargs) and wait until it is ready.
+
+        Args:
+          cpu_threads: torch's intra-op threads there, when it runs on the CPU; None: torch's default.
 
         Raises:
             ModelLoadError: the model cannot be read (as ``Engine.load`` would raise).
@@ -59,7 +63,8 @@ class EngineProcess:
         source = resolve_model(model, dummy_config=load_kwargs.get("dummy_config"))  # fails fast, here
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch), daemon=True)
+        process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch, cpu_threads),
+                              daemon=True)
         process.start()
         child.close()
         try:
@@ -138,11 +143,13 @@ def send_loop(conn, sends: queue.SimpleQueue) -> None:
 # -- the child --------------------------------------------------------------------------------------
 
 
-def serve(conn, model, load_kwargs, graphs_max_batch) -> None:
+def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None) -> None:
     """The engine process: load, report, then serve sessions until told to stop."""
-    from spark.engine.engine import Engine
+    from spark.engine.engine import Engine, use_cpu_threads
     from spark.engine.errors import ModelLoadError
 
+    if cpu_threads is not None:
+        use_cpu_threads(load_kwargs.get("device"), cpu_threads)
     try:
         engine = Engine.load(model, **load_kwargs)
     except ModelLoadError as exc:

@@ -37,17 +37,20 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     Raises:
         ModelLoadError: the model cannot be read.
     """
-    from spark.engine.engine import Engine
+    from spark.engine.engine import Engine, use_cpu_threads
 
     model = config.model if model is None else model
     kwargs = dict(device=config.device, page_size=config.page_size, kv_cache_bytes=config.kv_cache_bytes,
                   max_model_len=config.max_model_len)
     kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype)) if v is not None})
+    threads = config.resolved_cpu_threads()
     if config.uses_engine_process():
         from spark.actors.engine_process import EngineProcess
 
-        load = functools.partial(EngineProcess.start, model, graphs_max_batch=config.max_batch_size, **kwargs)
+        load = functools.partial(EngineProcess.start, model, graphs_max_batch=config.max_batch_size,
+                                 cpu_threads=threads, **kwargs)
     else:
+        use_cpu_threads(config.device, threads)
         load = functools.partial(Engine.load, model, **kwargs)
     return await trio.to_thread.run_sync(load, abandon_on_cancel=True)  # Ctrl-C need not wait for it
 

@@ -56,6 +56,15 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def use_cpu_threads(device: str | None, threads: int) -> None:
+    """Give torch ``threads`` intra-op threads when this process's engine runs on the CPU (``device``;
+    None: the default device)."""
+    on_cpu = torch.device(device).type == "cpu" if device else _default_device().type == "cpu"
+    if on_cpu and torch.get_num_threads() != threads:
+        log.info("cpu engine: %d torch threads", threads)
+        torch.set_num_threads(threads)
+
+
 class Engine:
     """A model, its KV cache and its sampler, stepped one flat batch at a time."""
 
