@@ -14,18 +14,30 @@ from __future__ import annotations
 
 import hmac
 
+import attrs
 import trio
 from quart import Blueprint, current_app, g, request
 
 from spark.control.slot import Refusal, Slot
 from spark.http.errors import ApiError
-from spark.http.schemas import read_json
 from spark.http.gateway import refusal_error
 from spark.http.keys import keyring
+from spark.http.schemas import parse_body
 
 bp = Blueprint("inference_admin", __name__, url_prefix="/api/inference")
 
 MAX_WAIT_S = 3600.0
+
+
+@attrs.frozen(kw_only=True)
+class DownRequest:
+    grace_s: float | None = None  # seconds the requests in flight may finish in; None: the server's
+
+
+@attrs.frozen(kw_only=True)
+class UpRequest(DownRequest):
+    id: str  # the recipe to switch to
+    wait: bool | None = None  # answer once the switch is done (200), not when it starts (202)
 
 
 def _slot() -> Slot:
@@ -72,24 +84,21 @@ async def status():
 @bp.post("/up")
 async def up():
     slot = _slot()
-    body = await _json()
-    recipe_id = body.get("id")
-    if not isinstance(recipe_id, str):
-        raise ApiError(400, 'send {"id": "<recipe id>"}', param="id")
-    recipe = slot.catalog.get(recipe_id)
+    body = await _body(UpRequest)
+    recipe = slot.catalog.get(body.id)
     if recipe is None:
-        raise ApiError(404, f"no recipe {recipe_id!r}; known: {', '.join(r.id for r in slot.catalog.recipes)}",
+        raise ApiError(404, f"no recipe {body.id!r}; known: {', '.join(r.id for r in slot.catalog.recipes)}",
                        param="id", code="recipe_not_found")
     try:
         done = slot.switch_to(recipe, grace_s=_grace(body))
     except Refusal as r:
         raise refusal_error(r) from None
-    if body.get("wait"):
+    if body.wait:
         with trio.move_on_after(MAX_WAIT_S):
             await done.wait()
     if done.is_set():
         if slot.state != "active" or slot.active is not recipe:
-            raise ApiError(500, f"switch to {recipe_id} failed: {slot.error}", code="switch_failed")
+            raise ApiError(500, f"switch to {body.id} failed: {slot.error}", code="switch_failed")
         return slot.status(), 200
     return slot.status(), 202
 
@@ -97,7 +106,7 @@ async def up():
 @bp.post("/down")
 async def down():
     slot = _slot()
-    body = await _json()
+    body = await _body(DownRequest)
     try:
         done = slot.take_down(grace_s=_grace(body))
     except Refusal as r:
@@ -122,20 +131,13 @@ async def usage():
     return {"recipes": _slot().usage.summary()}
 
 
-async def _json() -> dict:
+async def _body(cls: type):
+    """The request body as ``cls`` (an empty body: ``{}``), checked by the API's one converter."""
     data = await request.get_data()
-    if not data:
-        return {}
-    body = read_json(data)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
+    return parse_body(data if data.strip() else b"{}", cls)
 
 
-def _grace(body: dict) -> float | None:
-    grace = body.get("grace_s")
-    if grace is None:
-        return None
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+def _grace(body: DownRequest) -> float | None:
+    if body.grace_s is not None and not body.grace_s >= 0:  # not >=: NaN is refused too
         raise ApiError(400, "grace_s must be a number of seconds >= 0", param="grace_s")
-    return float(grace)
+    return body.grace_s
