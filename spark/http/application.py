@@ -30,7 +30,7 @@ from spark.control.served import ServedModel
 from spark.control.slot import Slot
 from spark.control.usage import UsageCounters
 from spark.core.interfaces import LoadedEngine
-from spark.http import admin, anthropic, errors, gateway, responses, routes
+from spark.http import admin, anthropic, errors, gateway, openapi, responses, routes
 from spark.http.errors import ApiError
 from spark.http.fanin import Generations
 from spark.http.keys import keyring
@@ -173,6 +173,7 @@ def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None
     errors.install(app)
     anthropic.install(app)  # /v1/messages*, with Anthropic-shaped errors
     responses.install(app)  # /v1/responses*, /v1/conversations*, and their SQLite store
+    app.register_blueprint(openapi.bp)  # GET /openapi.json, generated from the request classes
     return app
 
 
