@@ -24,8 +24,7 @@ from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job, stop_strings
-from spark.http.schemas import parse_body
-from spark.http.spine import Serving
+from spark.http.spine import Serving, request_body
 from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, ToolCallDelta, ToolChoice, TurnDone,
                              TurnParser, collect_turn, turn_events)
 
@@ -223,18 +222,18 @@ def turn_kwargs(req: CountTokensRequest) -> dict:
 
 @generates(bp, PREFIX + "/count_tokens", logged=False)  # names a model, generates nothing
 async def count_tokens(serving: Serving):
-    req = parse_body(await request.get_data(), CountTokensRequest)
-    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **turn_kwargs(req))
+    req = await request_body(CountTokensRequest)
+    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **await spine.off_loop(turn_kwargs, req))
     return spine.answer({"input_tokens": len(turn.prompt.prompt_ids)}, stage)
 
 
 @generates(bp, PREFIX)
 async def create_message(serving: Serving):
-    req = parse_body(await request.get_data(), MessagesRequest)
+    req = await request_body(MessagesRequest)
     given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k")}
     params = sampling_params(serving.limits, given, max_tokens=req.max_tokens)
     stops = stop_strings(req.stop_sequences)
-    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **turn_kwargs(req))
+    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **await spine.off_loop(turn_kwargs, req))
     prompt, mid = turn.prompt.prompt_ids, f"msg_{secrets.token_hex(12)}"
     job = single_job(mid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), stop=stops,
                      api_key=g.api_key)

@@ -23,8 +23,7 @@ from spark.control.activity import Tally, key_id
 from spark.control.slot import Refusal, Slot
 from spark.control.upstream import UpstreamError
 from spark.http.errors import ApiError
-from spark.http.schemas import read_json
-from spark.http.spine import Serving, not_ready
+from spark.http.spine import Serving, json_body, not_ready
 from spark.recipes.schema import Recipe
 
 log = logging.getLogger("spark.http")
@@ -75,7 +74,7 @@ async def _route(slot: Slot | None, tally: Tally) -> Response | None:
     if slot is None:
         return None
     try:
-        body = read_json(await request.get_data())
+        body = await json_body()
     except ApiError:
         body = None  # the route answers its 400
     if not isinstance(body, dict) or not isinstance(body.get("model"), (str, type(None))):

@@ -34,8 +34,7 @@ from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
                                        chat_messages, chat_tools, input_items, new_id, reasoning_text, usage)
-from spark.http.schemas import parse_body
-from spark.http.spine import Serving
+from spark.http.spine import Serving, request_body
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
 from spark.state import AsyncStore, Store, owner_of
 
@@ -95,14 +94,14 @@ def _not_found(kind: str, oid: str, param: str | None = None) -> ApiError:
 
 @generates(bp, "/v1/responses")
 async def create_response(serving: Serving):
-    req = parse_body(await request.get_data(), ResponsesRequest)
+    req = await request_body(ResponsesRequest)
     params = sampling_params(serving.limits, {"temperature": req.temperature, "top_p": req.top_p},
                              max_tokens=req.max_output_tokens, param="max_output_tokens")
     owner = _owner()
     # store=false needs the store only to read what it continues: a stateless server makes no file
     store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
     history, conversation_id = await _history(req, owner, store)
-    items = input_items(req.input)
+    items = await spine.off_loop(input_items, req.input)
     if not items and not history:
         raise ApiError(400, "input must hold at least one item", param="input")
     enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
@@ -333,7 +332,7 @@ def _list(items: list[dict], has_more: bool) -> dict:
 @bp.post("/v1/conversations")
 async def create_conversation():
     raw = await request.get_data()
-    req = parse_body(raw, ConversationRequest) if raw.strip() else ConversationRequest()
+    req = await request_body(ConversationRequest) if raw.strip() else ConversationRequest()
     items = input_items(req.items or [], param="items")
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
                     "metadata": req.metadata or {}}
@@ -367,7 +366,7 @@ async def list_conversation_items(cid: str):
 
 @bp.post("/v1/conversations/<cid>/items")
 async def add_conversation_items(cid: str):
-    items = input_items(parse_body(await request.get_data(), ItemsRequest).items, param="items")
+    items = input_items((await request_body(ItemsRequest)).items, param="items")
     if not await (await _store()).append_conversation_items(_owner(), cid, items):
         raise _not_found("conversation", cid)
     return _list(items, False)

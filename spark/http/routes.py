@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,8 +21,8 @@ from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
 from spark.http.gateway import generates
 from spark.http.params import MODEL_ALIAS, Job, base_params, build_job, chat_turn, encode_prompts, logprobs_k
-from spark.http.schemas import ChatRequest, CompletionRequest, parse_body
-from spark.http.spine import Serving
+from spark.http.schemas import ChatRequest, CompletionRequest
+from spark.http.spine import Serving, request_body
 from spark.http.turn import ContentDelta, ReasoningDelta, TurnDone, TurnParser, turn_steps
 
 bp = Blueprint("openai", __name__)
@@ -77,10 +78,9 @@ async def get_model(name: str):
 @generates(bp, "/v1/chat/completions")
 async def chat_completions(serving: Serving):
     limits = serving.limits
-    req = parse_body(await request.get_data(), ChatRequest)
+    req = await request_body(ChatRequest)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = base_params(req, limits, max_tokens=max_tokens, logprobs=logprobs_k(req))
-    kwargs = chat_turn(req)
+    params, kwargs = await spine.off_loop(_chat_inputs, req, limits, max_tokens)
     turn, stage = await spine.fit_turn(serving, kwargs.pop("messages"), max_tokens=max_tokens, **kwargs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = build_job(rid, req, [turn.prompt.prompt_ids], turn.sampling(params), limits, api_key=g.api_key)
@@ -96,13 +96,19 @@ async def chat_completions(serving: Serving):
                          "usage": fmt.usage(job.prompt_tokens, sum(d.usage.completion_tokens for d in dones))}, stage)
 
 
+def _chat_inputs(req: ChatRequest, limits, max_tokens: int | None) -> tuple:
+    """The request's sampling parameters and ``prepare_turn`` arguments (work that grows with the body)."""
+    return base_params(req, limits, max_tokens=max_tokens, logprobs=logprobs_k(req)), chat_turn(req)
+
+
 @generates(bp, "/v1/completions")
 async def completions(serving: Serving):
     limits = serving.limits
-    req = parse_body(await request.get_data(), CompletionRequest)
+    req = await request_body(CompletionRequest)
     if req.echo:
         raise ApiError(400, "echo is not supported", param="echo")
-    params = base_params(req, limits, max_tokens=req.max_tokens, logprobs=logprobs_k(req))
+    params = await spine.off_loop(functools.partial(base_params, max_tokens=req.max_tokens, logprobs=logprobs_k(req)),
+                                  req, limits)
     prompts = await trio.to_thread.run_sync(encode_prompts, serving.model.tokenizer, req, limits.vocab_size)
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = build_job(rid, req, prompts, params, limits, api_key=g.api_key)

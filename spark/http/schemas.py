@@ -274,13 +274,21 @@ def _check_text(text: str, path: str) -> None:
                        code="invalid_json") from None
 
 
-def parse_body(raw: bytes, cls: type[SamplingFields]) -> Any:
+def parse_body(raw: bytes, cls: type) -> Any:
     """Decode a JSON request body into ``cls``.
 
     Raises:
         ApiError: 400, naming the first bad field as ``param``.
     """
-    body = read_json(raw)
+    return structure_body(read_json(raw), cls)
+
+
+def structure_body(body: Any, cls: type) -> Any:
+    """A request body's JSON (``read_json``'s) as ``cls``.
+
+    Raises:
+        ApiError: 400, naming the first bad field as ``param``.
+    """
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     try:

@@ -15,11 +15,12 @@ then maps its wire format onto the same steps:
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import trio
-from quart import Response
+from quart import Response, g, request
 
 from spark.actors.ingress import SubmitError
 from spark.control.activity import Tally
@@ -29,9 +30,14 @@ from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, Generations
 from spark.http.formatting import SSE_HEADERS
 from spark.http.params import Job, Limits
+from spark.http.schemas import read_json, structure_body
 from spark.http.turn import PreparedTurn, chat_format
 
+T = TypeVar("T")
 COMPACTION_HEADER = "X-Spark-Compaction"
+# A body larger than this is decoded in a worker thread: a 1.4 MB logit_bias, or 100,000 messages,
+# took the event loop (and every other request's stream) for a second.
+OFF_LOOP_BYTES = 64 << 10
 
 
 @attrs.frozen
@@ -42,6 +48,41 @@ class Serving:
     limits: Limits
     tally: Tally | None  # the request's activity line (None: not logged)
     generations: Generations  # where its streams live: no longer than the request
+
+
+async def json_body() -> Any:
+    """The request body's JSON, read once per request (the gateway reads the model from it, the
+    route the rest), decoded off the event loop when the body is large.
+
+    Raises:
+        ApiError: 400 ``invalid_json`` (``schemas.read_json``), each time it is asked for.
+    """
+    if "json_body" not in g:
+        raw = await request.get_data()
+        try:
+            g.json_body = read_json(raw) if len(raw) <= OFF_LOOP_BYTES else await trio.to_thread.run_sync(read_json, raw)
+        except ApiError as exc:
+            g.json_body = exc
+    if isinstance(g.json_body, ApiError):
+        raise g.json_body
+    return g.json_body
+
+
+async def request_body(cls: type) -> Any:
+    """The request body as ``cls`` (``schemas.structure_body``), off the event loop when it is large.
+
+    Raises:
+        ApiError: 400 for a body that is not JSON or not a ``cls``.
+    """
+    return await off_loop(structure_body, await json_body(), cls)
+
+
+async def off_loop(fn: Callable[..., T], *args) -> T:
+    """``fn(*args)``: in a worker thread when the request's body is large (its work grows with it),
+    else at once (a thread hop costs more than a small body's work)."""
+    if request.content_length is not None and request.content_length <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)
 
 
 def not_ready() -> ApiError:

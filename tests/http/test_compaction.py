@@ -119,7 +119,22 @@ def test_stage_drop_oldest_turns_drops_as_few_as_fit(fits):
     assert out[1:] == messages[1 + 2 * dropped:]  # whole oldest turns, in order
     one_fewer = messages[:1] + messages[1 + 2 * (dropped - 1):]
     assert fits.count(one_fewer) > BUDGET  # dropping one turn fewer would not fit
-    assert len(fits.calls) <= 7  # a binary search, not one render per turn
+    assert len(fits.calls) <= 10  # doubling then halving, not one render per turn
+
+
+def test_dropping_turns_never_renders_much_more_than_fits(fits):
+    # 5,000 turns: a search from the oldest end rendered half the conversation and more on each try.
+    messages = [{"role": "system", "content": "Be brief."}]
+    for t in range(5000):
+        messages += [{"role": "user", "content": f"q{t}"}, {"role": "assistant", "content": f"a{t}"}]
+    messages.append({"role": "user", "content": "Last?"})
+    fits.calls.clear()
+    out, stage = compact_messages(messages, fits)
+    assert stage == "drop_oldest_turns" and fits.count(out) <= BUDGET
+    one_more = messages[:1] + messages[len(messages) - len(out) - 1:]
+    assert fits.count(one_more) > BUDGET  # as few dropped as fit
+    assert fits.calls[0] == len(messages)  # asked once as sent
+    assert max(fits.calls[1:]) <= 2 * len(out) + 2 and len(fits.calls) <= 30
 
 
 def test_stage_keep_last_messages_trims_the_system_prompt(fits):
