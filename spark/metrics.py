@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import statistics
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -11,9 +14,32 @@ _ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
 _PREFILL_BUCKETS = (0, 128, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class QueueWaits:
+    """How long the latest requests waited in the queue: what a refused one is told to wait (``Retry-After``).
+
+    A request refused because the queue is full would wait about as long as the ones that just left
+    it; when none left it lately, at least as long as it has been since the last one did.
+    """
+
+    def __init__(self, remembered: int = 16) -> None:
+        self._waits: collections.deque[float] = collections.deque(maxlen=remembered)
+        self._last_start: float | None = None
+
+    def started(self, waited_s: float, now: float) -> None:
+        self._waits.append(waited_s)
+        self._last_start = now
+
+    def expected_wait(self, now: float) -> float:
+        """Seconds until a place in the queue is likely to serve, 1 at least."""
+        recent = statistics.median(self._waits) if self._waits else 0.0
+        stalled = now - self._last_start if self._last_start is not None else 0.0
+        return max(1.0, recent, stalled)
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.queue_waits = QueueWaits()  # not exported: the ingress's Retry-After
         self.time_to_first_token = Histogram(
             "spark_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r
         )

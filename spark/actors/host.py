@@ -310,8 +310,10 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
     metrics.kv_pages_total.set(core.kv_pages_total)
     metrics.requests_running.set(core.requests_running)
     metrics.requests_waiting.set(core.requests_waiting + queued_here)
+    now = trio.current_time()
     for seconds in core.queue_times:
         metrics.queue_time.observe(seconds)
+        metrics.queue_waits.started(seconds, now)
     for step in core.steps:
         metrics.step_seconds.observe(step.seconds)
         metrics.step_decode_rows.observe(step.decode_rows)

@@ -131,7 +131,9 @@ class Ingress:
                               f"{len(requests)} choices are more than the server queues at once ({queue.max_buffer_size})")
         room = queue.max_buffer_size - queue.current_buffer_used + queue.tasks_waiting_receive
         if len(requests) > room:  # before the rate limit
-            raise SubmitError(503, "server_busy", "the request queue is full; retry shortly", retry_after=1.0)
+            wait = self._metrics.queue_waits.expected_wait(trio.current_time())
+            raise SubmitError(503, "server_busy", f"the request queue is full; requests wait about {wait:.0f} s",
+                              retry_after=wait)
         key = requests[0].api_key
         if key is not None:
             tokens = sum(len(r.prompt_ids) + r.params.max_tokens for r in requests)

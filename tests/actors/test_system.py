@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import trio
@@ -145,6 +146,38 @@ async def test_a_full_queue_answers_503_at_once(real_engine):
             for stream in queued:
                 text, ids, last = await collect(stream)
                 assert last.finish_reason == "length"
+
+
+async def test_a_full_queues_retry_after_is_how_long_the_queue_makes_requests_wait():
+    # Retry-After was always 1, even while admitted requests waited 240 s.
+    double = EngineDouble()
+    double.fail_if = lambda plan: time.sleep(0.005) or False  # a step takes a while: the queue stays full
+    async with double_system(double, max_batch_size=1, max_waiting=2) as (system, allocator):
+        with trio.fail_after(30):
+            running = system.submit(request("running", [1, 2, 3], greedy(10_000, ignore_eos=True)))
+            async with running:
+                await running.__anext__()
+                queued = [system.submit(request(f"queued-{i}", [1, 2], greedy(4))) for i in range(2)]
+                now = trio.current_time()
+                for waited in (230.0, 240.0, 240.0, 250.0, 260.0):
+                    system.metrics.queue_waits.started(waited, now)  # as if the last ones had waited so
+                with pytest.raises(SubmitError) as refused:
+                    system.submit(request("refused", [1, 2], greedy(4)))
+                assert refused.value.code == "server_busy" and refused.value.retry_after == 240.0
+                assert "240 s" in refused.value.message
+                for stream in queued:
+                    await stream.aclose()
+
+
+def test_queue_waits_expect_the_recent_median_or_the_stall_since_the_last_start():
+    from spark.metrics import QueueWaits
+
+    waits = QueueWaits(remembered=3)
+    assert waits.expected_wait(now=100.0) == 1.0  # nothing known: at least a second
+    for t, waited in ((10.0, 0.2), (11.0, 50.0), (12.0, 5.0), (13.0, 7.0)):  # the first falls out
+        waits.started(waited, now=t)
+    assert waits.expected_wait(now=13.5) == 7.0  # median of 50, 5, 7
+    assert waits.expected_wait(now=113.0) == 100.0  # nothing started for 100 s: the wait is that long at least
 
 
 async def test_rate_limits_answer_429_per_key(real_engine):
