@@ -114,7 +114,7 @@ def effort_thinking(effort: str | None, *, param: str = "reasoning_effort") -> t
         return None, None
     if effort == "none":
         return False, None
-    if effort not in EFFORT_BUDGETS:
+    if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:  # Responses' reasoning is untyped JSON
         raise ApiError(400, f"{param} must be one of none, {', '.join(EFFORT_BUDGETS)}; got {effort!r}", param=param)
     return True, EFFORT_BUDGETS[effort]
 

@@ -79,6 +79,20 @@ def _required_str(item: dict, key: str, param: str) -> str:
     return value
 
 
+def _text_parts(item: dict, key: str, param: str) -> list[dict]:
+    """A reasoning item's summary or content: a list of parts, each an object with a string text.
+    Checked here, since ``chat_messages`` joins their texts when the item is read back."""
+    parts = item.get(key)
+    if parts is None:
+        return []
+    if not isinstance(parts, list):
+        raise ApiError(400, f"reasoning items' {key} is a list of parts", param=f"{param}.{key}")
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+            raise ApiError(400, f"a reasoning {key} part is an object with a string text", param=f"{param}.{key}[{j}]")
+    return parts
+
+
 def message_item(role: str, text: str, item_id: str | None = None, status: str = "completed") -> dict:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []} if role == "assistant" else \
         {"type": "input_text", "text": text}
@@ -118,8 +132,8 @@ def input_items(value: str | list[dict] | None, *, param: str = "input") -> list
                         "call_id": _required_str(item, "call_id", where),
                         "output": _text(item.get("output"), f"{where}.output"), "status": "completed"})
         elif kind == "reasoning":
-            out.append({"type": "reasoning", "id": item.get("id") or new_id("rs"), "summary": item.get("summary") or [],
-                        "content": item.get("content") or []})
+            out.append({"type": "reasoning", "id": item.get("id") or new_id("rs"),
+                        "summary": _text_parts(item, "summary", where), "content": _text_parts(item, "content", where)})
         else:
             raise ApiError(400, f"unsupported input item type {kind!r}", param=f"{where}.type")
     return out
