@@ -75,8 +75,8 @@ def base_params(req: SamplingFields, limits: Limits, *, max_tokens: int | None, 
     Raises:
         ApiError: 400 naming the bad field.
     """
-    for token in (req.logit_bias or {}):
-        if not (token.isdigit() and int(token) < limits.vocab_size):
+    for token in (req.logit_bias or {}):  # isdigit() alone takes "²", and int() refuses 5000 digits: both were a 500
+        if not (token.isascii() and token.isdigit() and len(token) <= 12 and int(token) < limits.vocab_size):
             raise ApiError(400, f"logit_bias key {token!r} is not a token id below {limits.vocab_size}",
                            param="logit_bias")
     given = {name: getattr(req, name) for name in (
