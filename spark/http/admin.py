@@ -27,6 +27,7 @@ from spark.http.schemas import parse_body
 bp = Blueprint("inference_admin", __name__, url_prefix="/api/inference")
 
 MAX_WAIT_S = 3600.0
+MAX_LOG_LINES = 1000
 
 
 @attrs.frozen(kw_only=True)
@@ -118,10 +119,10 @@ async def down():
 @bp.get("/logs")
 async def logs():
     slot = _slot()
-    n = request.args.get("n", "50")
-    if not n.isdigit():
+    digits = request.args.get("n", "50").lstrip("0")
+    if not (digits.isascii() and digits.isdigit()):  # isdigit() alone takes "²", which int() refuses
         raise ApiError(400, "n must be a positive integer", param="n")
-    n = min(int(n), 1000)
+    n = min(int(digits), MAX_LOG_LINES) if len(digits) <= 4 else MAX_LOG_LINES  # int() refuses 5000 digits
     activity = slot.activity.tail(n) if slot.activity is not None else []
     return {"events": list(slot.events)[-n:], "activity": activity}
 

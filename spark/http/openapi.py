@@ -53,7 +53,7 @@ _PAGE = {"after": {"type": "string"}, "limit": {"type": "integer", "minimum": 1,
 QUERIES: dict[str, dict[str, dict]] = {  # the query strings the views read (request.args)
     "responses.list_input_items": _PAGE,
     "responses.list_conversation_items": _PAGE,
-    "inference_admin.logs": {"n": {"type": "integer", "minimum": 0, "default": 50}},
+    "inference_admin.logs": {"n": {"type": "integer", "minimum": 1, "default": 50}},
 }
 
 # What _prompt_hook accepts: a string, token ids, or a non-empty list of strings or of token id lists.
