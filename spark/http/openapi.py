@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import typing
 from typing import Any
 
@@ -58,7 +59,8 @@ QUERIES: dict[str, dict[str, dict]] = {  # the query strings the views read (req
 
 # What _prompt_hook accepts: a string, token ids, or a non-empty list of strings or of token id lists.
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
-PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, _TOKEN_IDS, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, _TOKEN_IDS,
+                           {"type": "array", "items": {"type": "string"}, "minItems": 1},
                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
 _CUSTOM = {tuple[Prompt, ...]: PROMPT_SCHEMA}  # the types the converter has a hook of its own for
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
@@ -90,6 +92,8 @@ class SchemaBuilder:
             return {}
         if tp in _CUSTOM:
             return _CUSTOM[tp]
+        if tp is float:  # an integer past the largest float is refused: float() cannot convert it
+            return {"type": "number", "minimum": -sys.float_info.max, "maximum": sys.float_info.max}
         if tp in _SCALARS:
             return {"type": _SCALARS[tp]}
         if is_union_type(tp):
