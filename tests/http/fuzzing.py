@@ -1,12 +1,13 @@
 """Hypothesis strategies for fuzzing Spark's HTTP API from its own ``/openapi.json``, and the checks of
 what it answers; ``tests/http/test_fuzz.py`` and ``scripts/fuzz.py`` share them.
 
-A ``Call`` is one raw HTTP request. ``Fuzzer(doc).calls()`` draws them for every operation of the
-document: valid bodies (generated from the schema, or a hand-written seed), mutated ones (a value
-of the wrong type, a field dropped or added, a body that is no object) and hostile ones (JSON
-nested 5000 deep, a 5000-digit integer, ``NaN``, a lone surrogate, bytes that are not UTF-8).
-``problems`` says what is wrong with an answer: a 5xx, a 4xx body not in its API's error shape, a
-traceback. Generated lengths are tiny (``CAPS``) so that the valid bodies' generations are cheap.
+A ``Call`` is one raw HTTP request. ``Fuzzer(doc).rounds()`` draws one for every operation of
+the document, and one the router answers (an unknown path, a wrong method): valid bodies
+(generated from the schema, or a hand-written seed), mutated ones (a value of the wrong type, a
+field dropped or added, a body that is no object) and hostile ones (JSON nested 5000 deep, a
+5000-digit integer, ``NaN``, a lone surrogate, bytes that are not UTF-8, truncated JSON).
+``problems`` says what is wrong with an answer: a 5xx, a 4xx body not in its API's error shape,
+a traceback. Generated lengths are tiny (``CAPS``) so that the valid bodies' generations are cheap.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ ANTHROPIC_PREFIX = "/v1/messages"
 MARK = "\x00spark-fuzz-mark\x00"  # a string in a body that json.dumps writes as one token, swapped for raw text
 MARK_JSON = json.dumps(MARK)
 DEEP = "[" * 5000 + "]" * 5000
-HUGE_INT = "1" * 5000
+HUGE_INT = "1" * 5000  # past Python's digit limit: the decoder refuses it
+PAST_FLOAT = "9" * 400  # an integer no float holds
 NOT_JSON = ["NaN", "Infinity", "-Infinity", "1e999"]  # Python's decoder takes these; JSON has no such numbers
 
 # Tiny generations: the fields that size one are drawn small, and always given (the server's default is larger).
@@ -84,12 +86,26 @@ SEEDS: dict[str, list[dict]] = {
                    {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
          "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}], "max_output_tokens": 2,
          "metadata": {"k": "v"}, "tool_choice": "auto"},
+        {"input": [{"role": "user", "content": "hi"},
+                   {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+                   {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+                   {"role": "user", "content": "and?"}], "max_output_tokens": 2, "reasoning": {"effort": "none"},
+         "tool_choice": "none", "tools": [{"type": "function", "name": "w"}]},
     ],
-    "POST /v1/conversations": [{}, {"items": [{"role": "user", "content": "hi"}], "metadata": {"k": "v"}}],
+    "POST /v1/conversations": [{}, {"items": [{"role": "user", "content": "hi"}], "metadata": {"k": "v"}},
+                               {"items": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
+                                           "content": [{"type": "reasoning_text", "text": "r"}]},
+                                          {"type": "message", "role": "assistant", "content": "ok"}]}],
     "POST /v1/conversations/{cid}/items": [{"items": [{"role": "assistant", "content": "hello"}]}],
     "POST /api/inference/up": [{"id": "no-such-recipe"}],
     "POST /api/inference/down": [{"grace_s": 0}],
 }
+# Keys a mutation adds besides made-up ones: the fields of untyped objects (Responses items, reasoning).
+KEYS = ["type", "role", "content", "text", "id", "name", "summary", "output", "call_id", "arguments", "effort",
+        "parameters", "function", "input", "tool_use_id", "items", "model", "stream"]
+# Operations whose bodies are stored: NaN or Infinity in one is a 500 (the store's index cannot read it back),
+# a bug in spark.http.schemas.read_json, which takes them (test_fuzz's xfail); not drawn until it is fixed.
+STORED = {"POST /v1/responses", "POST /v1/conversations", "POST /v1/conversations/{cid}/items"}
 # Operations whose valid bodies would take the shared server's model down: only refusable bodies go there.
 DANGEROUS = {"POST /api/inference/up", "POST /api/inference/down"}
 ROUTING_METHODS = ["PATCH", "PUT", "DELETE", "POST", "GET"]
@@ -137,6 +153,8 @@ def problems(call: Call, status: int, body: bytes) -> list[str]:
             out.append(shape)
     if b"Traceback" in body:
         out.append(f"a traceback in the body: {body[:300]!r}")
+    elif b"internal error" in body and status < 500:  # a stream that failed after its 200
+        out.append(f"an internal error in a {status} body: {body[-300:]!r}")
     return out
 
 
@@ -239,13 +257,16 @@ def surrogate_bodies(body: dict) -> list[tuple[tuple, bytes]]:
 class Fuzzer:
     """Strategies of requests for the operations of one OpenAPI document (Spark's ``/openapi.json``)."""
 
-    def __init__(self, doc: dict, *, ids: dict[str, list[str]] | None = None, api_key: str | None = None):
+    def __init__(self, doc: dict, *, ids: dict[str, list[str]] | None = None, api_key: str | None = None,
+                 admin_key: str | None = None):
         """
         Args:
           ids: real values of path parameters (``{"cid": [...]}``), drawn besides made-up ones.
           api_key: sent as ``Authorization: Bearer`` (now and then not, or a wrong one).
+          admin_key: sent instead to the admin API (/api/*), when given.
         """
         self.doc, self.ops, self.ids, self.api_key = doc, operations(doc), ids or {}, api_key
+        self.admin_key = admin_key
         self._refs: dict[str, st.SearchStrategy] = {}
 
     # valid values
@@ -305,12 +326,10 @@ class Fuzzer:
     # invalid values
 
     def mutated(self, operation: str) -> st.SearchStrategy:
-        """A valid body of ``operation`` with one thing wrong: a value of another JSON type, a field
-        dropped or added, or the body no object at all."""
+        """A valid body of ``operation`` with one to three things wrong: a value of another JSON type,
+        a field dropped or added, or the body no object at all."""
 
-        @st.composite
-        def mutate(draw):
-            body = draw(self.body(operation))
+        def once(draw, body):
             path = draw(st.sampled_from(nodes(body)))
             node = _at(body, path)
             how = draw(st.sampled_from(["retype", "drop", "add", "retype"]))
@@ -319,9 +338,16 @@ class Fuzzer:
                 del parent[path[-1]]
                 return replaced(body, path[:-1], parent)
             if how == "add" and isinstance(node, dict):
-                return replaced(body, path, {**node, draw(_TEXT): draw(ANY_JSON)})
+                return replaced(body, path, {**node, draw(st.sampled_from(KEYS) | _TEXT): draw(ANY_JSON)})
             other = draw(st.sampled_from([t for t in _BY_TYPE if t != json_type(node)]))
             return replaced(body, path, draw(_BY_TYPE[other]))
+
+        @st.composite
+        def mutate(draw):
+            body = draw(self.body(operation))
+            for _ in range(draw(st.integers(1, 3))):
+                body = once(draw, body)
+            return body
 
         return mutate()
 
@@ -333,8 +359,8 @@ class Fuzzer:
         def hostile(draw):
             body = draw(self.body(operation))
             path = draw(st.sampled_from(nodes(body)))
-            raws = [DEEP, HUGE_INT, '"\\ud800"', '"a\\udfffb"']
-            if operation not in DANGEROUS:  # NaN or Infinity as a grace period would be a valid one
+            raws = [DEEP, HUGE_INT, PAST_FLOAT, '"\\ud800"', '"a\\udfffb"']
+            if operation not in DANGEROUS | STORED:  # NaN or Infinity as a grace period would be a valid one
                 raws += NOT_JSON
             raw = draw(st.sampled_from(raws))
             choice = draw(st.integers(0, 9))
@@ -361,14 +387,16 @@ class Fuzzer:
         params = [p for p in operation.get("parameters", ()) if p["in"] == "query"]
         if not params:
             return st.just("")
-        values = {p["name"]: self.valid(p["schema"], p["name"]).map(str) | _TEXT for p in params}
+        odd = st.sampled_from(["", "0", "-1", "²", "٣", "1e2", HUGE_INT, "\x00"]) | _TEXT
+        values = {p["name"]: self.valid(p["schema"], p["name"]).map(str) | odd for p in params}
         return st.fixed_dictionaries({}, optional=values).map(lambda q: "?" + urlencode(q) if q else "")
 
     def _headers(self, path: str) -> st.SearchStrategy:
         json_type_header = ("Content-Type", "application/json")
         if self.api_key is None or not path.startswith(("/v1/", "/api/")):
             return st.just((json_type_header,))
-        good = ("Authorization", f"Bearer {self.api_key}")
+        key = self.admin_key if self.admin_key and path.startswith("/api/") else self.api_key
+        good = ("Authorization", f"Bearer {key}")
         auth = st.sampled_from([good] * 8 + [None, ("Authorization", "Bearer wrong")])
         if path.startswith(ANTHROPIC_PREFIX):
             auth |= st.just(("x-api-key", self.api_key))
@@ -401,18 +429,19 @@ class Fuzzer:
 
     def routing(self) -> st.SearchStrategy[Call]:
         """Requests the router answers: an unknown path, or a method a known path does not take."""
-        paths = [re.sub(r"{\w+}", "x", p) for p in self.doc["paths"]]
-        unknown = st.sampled_from(["/v1/nope", "/v1/messages/nope", "/api/inference/nope", "/v2/chat/completions"])
+        wrong = [(re.sub(r"{\w+}", "x", path), m) for path, ops in self.doc["paths"].items()
+                 for m in ROUTING_METHODS if m.lower() not in ops]
+        unknown = [(path, m) for path in ("/v1/nope", "/v1/messages/nope", "/api/inference/nope", "/v2/models")
+                   for m in ROUTING_METHODS]
 
         @st.composite
         def request(draw):
-            path = draw(st.sampled_from(paths) | unknown)
-            method = draw(st.sampled_from(ROUTING_METHODS))
+            path, method = draw(st.sampled_from(wrong + unknown))
             body = b'{"model": "m"}' if method in ("POST", "PUT", "PATCH") else None
             return Call("routing", "routing", method, path, body, draw(self._headers(path)))
 
         return request()
 
-    def calls(self, *, exclude: frozenset[str] = frozenset()) -> st.SearchStrategy[Call]:
-        """Requests of every operation (less ``exclude``), and routing ones."""
-        return st.one_of([self.call(name) for name in self.ops if name not in exclude] + [self.routing()])
+    def rounds(self, *, exclude: frozenset[str] = frozenset()) -> st.SearchStrategy[tuple[Call, ...]]:
+        """One request of every operation (less ``exclude``) and one routing request: every route as often."""
+        return st.tuples(*[self.call(name) for name in self.ops if name not in exclude], self.routing())
