@@ -28,6 +28,7 @@ import math
 import time
 from typing import Callable
 
+import attrs
 import trio
 
 from spark.actors.ingress import SubmitError
@@ -37,7 +38,7 @@ from spark.control.upstream import Upstreams
 from spark.control.usage import UsageCounters
 from spark.core.interfaces import LoadedEngine
 from spark.recipes.loading import Catalog
-from spark.recipes.schema import RESERVED_NAMES, Recipe
+from spark.recipes.schema import RESERVED_NAMES, Recipe, Sampling
 from spark.recipes.serving import unavailable_reason
 from spark.serve_config import ServeConfig
 
@@ -335,6 +336,8 @@ class Slot:
                     card["max_model_len"] = self.model.max_model_len
                 elif recipe.context.default:
                     card["max_model_len"] = recipe.context.default
+                if recipe.sampling != Sampling():  # what a request that names no sampling field gets
+                    card["sampling_defaults"] = {k: v for k, v in attrs.asdict(recipe.sampling).items() if v is not None}
                 if reason:
                     card["unavailable_reason"] = reason
                 cards.append(card)

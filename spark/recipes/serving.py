@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 
 from spark.recipes.loading import Catalog
 from spark.recipes.schema import Recipe
 from spark.serve_config import ServeConfig
+
+log = logging.getLogger("spark.recipes")
 
 def unavailable_reason(recipe: Recipe) -> str | None:
     """Why ``recipe`` cannot be loaded here (its weights are missing), or None when it can be tried."""
@@ -57,9 +61,15 @@ def engine_dtype(recipe: Recipe):
 
 def implicit_recipe(config: ServeConfig) -> Recipe:
     """``spark serve --model X`` as a recipe: the one profile of a server started without recipes."""
+    from spark.recipes.model_defaults import describe, model_sampling
+
     name = config.resolved_served_name()
-    return Recipe(id=name, served_name=name, model=config.model or "default", engine="spark",
-                  name=f"{name} (--model)", lifecycle="works")
+    model = config.model or "default"
+    sampling, source = model_sampling(model)
+    if source is not None:
+        log.info("sampling defaults of %s from %s: %s", model, source, describe(sampling))
+    return Recipe(id=name, served_name=name, model=model, engine="spark", name=f"{name} (--model)",
+                  lifecycle="works", sampling=sampling)
 
 
 def catalog_for(config: ServeConfig) -> tuple[Catalog, Recipe | None]:

@@ -31,6 +31,20 @@ def test_health_models_metrics(server):
     assert [m.id for m in models] == [server.model, "sparky"]  # the active model, and its reserved name
     assert models[0].owned_by == "spark" and models[0].model_extra["max_model_len"] > 0
     assert server.client().models.retrieve("sparky").id == server.model
+    # Served without a recipe, the embedded model samples as its bundled recipe says (issue 19.1).
+    assert models[0].model_extra["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+
+
+def test_a_request_with_no_sampling_fields_samples_with_the_models_defaults(server):
+    # At the API's own temperature 1.0, "What is the capital of France?" got "Emilji, #PretzLouis':(fin ..."
+    client = server.client()
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+    def answer(**sampling) -> str:
+        return client.chat.completions.create(model=server.model, max_tokens=12, messages=question, seed=11,
+                                              **sampling).choices[0].message.content
+
+    assert answer() == answer(temperature=0.2, top_p=0.9)  # the defaults the card shows, applied
 
 
 def test_step_metrics_describe_the_batches(server):
