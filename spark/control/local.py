@@ -37,8 +37,10 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     Raises:
         ModelLoadError: the model cannot be read.
     """
-    from spark.engine.engine import Engine, use_cpu_threads
+    from spark.engine.engine import Engine, checked_device, use_cpu_threads
 
+    if config.device is not None:
+        checked_device(config.device)  # here, not in an engine process that would only say it failed
     model = config.model if model is None else model
     kwargs = dict(device=config.device, page_size=config.page_size, kv_cache_bytes=config.kv_cache_bytes,
                   max_model_len=config.max_model_len)

@@ -56,6 +56,19 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def checked_device(device: str | torch.device) -> torch.device:
+    """``device`` as torch's, or a ``ValueError`` a user can act on (torch's would be a bare
+    ``AssertionError: Torch not compiled with CUDA enabled`` from deep inside the load)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {str(device)!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) has {why}; use --device cpu")
+    return device
+
+
 def use_cpu_threads(device: str | None, threads: int) -> None:
     """Give torch ``threads`` intra-op threads when this process's engine runs on the CPU (``device``;
     None: the default device)."""
@@ -121,7 +134,7 @@ class Engine:
         from spark.engine.weights import iter_weights, resolve_model
 
         source = resolve_model(model, dummy_config=dummy_config)
-        runtime = Runtime.for_device(device if device is not None else _default_device(), dtype)
+        runtime = Runtime.for_device(checked_device(device) if device is not None else _default_device(), dtype)
         t0 = time.perf_counter()
         weights = iter_weights(source, dtype=runtime.dtype, device=runtime.device, progress=progress)
         net = build_model(source.config, runtime, weights)

@@ -19,6 +19,18 @@ def _human(n_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+_active: list["LoadProgress"] = []  # the loads under way in this process, the latest last
+
+
+def current() -> tuple[int, int, str] | None:
+    """``(done, total, desc)`` of the latest load under way in this process, or None (a server's
+    ``/health`` says it while the model loads)."""
+    if not _active:
+        return None
+    p = _active[-1]
+    return p.done, p.total, p.desc
+
+
 @attrs.define(eq=False)
 class LoadProgress:
     """Reports bytes loaded so far; use as ``with LoadProgress(total, "weights") as p: p.advance(n)``.
@@ -43,6 +55,7 @@ class LoadProgress:
 
     def __enter__(self) -> "LoadProgress":
         self._start = time.perf_counter()
+        _active.append(self)
         if self.enabled and sys.stderr is not None and sys.stderr.isatty():
             import tqdm
 
@@ -69,6 +82,8 @@ class LoadProgress:
             )
 
     def __exit__(self, *exc_info) -> None:
+        if self in _active:
+            _active.remove(self)
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -6,6 +6,6 @@
 
 from spark.http.application import create_app
 
-app = create_app()  # its ServeConfig is read from the environment when it starts serving
+app = create_app(exit_on_startup_error=True)  # its ServeConfig is read from the environment when it starts serving
 
 __all__ = ["app", "create_app"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 
 import attrs
@@ -56,6 +58,7 @@ class SparkState:
     limits: Limits | None = None  # the active model's, with it
     slot: Slot | None = None  # once start-up made it
     startup_error: BaseException | None = None  # why start-up failed (hypercorn reports only its text)
+    exit_on_startup_error: bool = False
     started_at: int = attrs.field(factory=lambda: int(time.time()))
     stopped: trio.Event = attrs.field(factory=trio.Event)
 
@@ -144,12 +147,15 @@ def _announces_body(scope) -> bool:
     return False
 
 
-def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None = None) -> QuartTrio:
+def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None = None,
+               exit_on_startup_error: bool = False) -> QuartTrio:
     """Build Spark's OpenAI-compatible app.
 
     Args:
       config: how to serve; None reads ``SPARK_*`` environment variables at start-up.
       engine: an already loaded engine (tests, ``spark serve``); None loads ``config.model`` at start-up.
+      exit_on_startup_error: a start-up that fails ends the process with one line and status 2 (under
+        the ``hypercorn`` command, which would print its traceback and exit 0).
 
     Returns:
       The app, for hypercorn's trio worker (``hypercorn -k trio``) or ``spark.http.serve``.
@@ -162,7 +168,7 @@ def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = SHUTDOWN_GRACE_S
     if config is not None:
         app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    state = app.extensions["spark"] = SparkState(config, engine)
+    state = app.extensions["spark"] = SparkState(config, engine, exit_on_startup_error=exit_on_startup_error)
     app.before_serving(functools.partial(_start, app, state))
     app.after_serving(functools.partial(_stop, state))
     app.before_request(functools.partial(_authenticate, state))
@@ -183,7 +189,16 @@ async def _start(app: QuartTrio, state: SparkState) -> None:
     except BaseException as exc:
         state.startup_error = exc
         state.stopped.set()  # nothing to stop
+        if state.exit_on_startup_error and isinstance(exc, Exception):
+            _exit_with_one_line(exc)
         raise
+
+
+def _exit_with_one_line(exc: BaseException) -> None:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    print(f"spark: {exc}", file=sys.stderr, flush=True)
+    os._exit(2)  # hypercorn would go on to print its wrapper's traceback and exit 0
 
 
 async def _open(app: QuartTrio, state: SparkState) -> None:

@@ -18,6 +18,8 @@ from hypercorn.config import Config as HypercornConfig
 
 from spark import gc_tuning
 from spark.core.interfaces import LoadedEngine
+from spark.engine import progress
+from spark.http import loading
 from spark.http.application import create_app, load_engine
 from spark.serve_config import ServeConfig
 
@@ -60,16 +62,28 @@ async def serve_async(config: ServeConfig, *, engine: LoadedEngine | None = None
     Raises:
       Exception: what made start-up fail, e.g. ``ModelLoadError``.
     """
+    sock = loading.bind(config.host, config.port, LISTEN_BACKLOG)  # a port in use fails here, before any load
     owns_engine = engine is None
-    if engine is None:  # here rather than at ASGI start-up, so that a load error reaches the caller as is
-        engine = await load_engine(config)  # the start-up recipe's (None: no spark recipe at start)
-    app = create_app(config, engine=engine)
-    if shutdown_trigger is None and threading.current_thread() is threading.main_thread():
-        shutdown_trigger = _until_signal
-    serve = functools.partial(hypercorn.trio.serve, app, hypercorn_config(config, access_log=access_log),
-                              shutdown_trigger=shutdown_trigger)
-    state = app.extensions["spark"]
+    state = None
     try:
+        if engine is None:  # here rather than at ASGI start-up, so that a load error reaches the caller as is
+            failure = None
+            async with trio.open_nursery() as answering:
+                answering.start_soon(loading.answer_while_loading, sock, functools.partial(_loading_status, config))
+                try:
+                    engine = await load_engine(config)  # the start-up recipe's (None: no spark recipe at start)
+                except Exception as exc:  # raised as is below, not in the nursery's group
+                    failure = exc
+                answering.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
+        app = create_app(config, engine=engine)
+        if shutdown_trigger is None and threading.current_thread() is threading.main_thread():
+            shutdown_trigger = _until_signal
+        hc = hypercorn_config(config, access_log=access_log)
+        hc.bind = [f"fd://{sock.detach()}"]  # hypercorn's from now on, connections in the backlog with it
+        serve = functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=shutdown_trigger)
+        state = app.extensions["spark"]
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
             if state.startup_error is not None:  # start-up failed; hypercorn goes on to listen all the same
@@ -83,11 +97,22 @@ async def serve_async(config: ServeConfig, *, engine: LoadedEngine | None = None
                 print(f"Spark serving {served} on {url}", flush=True)
             task_status.started(url)
     finally:
+        sock.close()  # a no-op once detached
         if owns_engine and engine is not None:  # the slot closed it already, unless start-up failed first
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(engine.close)  # an engine process exits, its GPU memory with it
-        if state.startup_error is not None:  # the real error (a ModelLoadError, say), not hypercorn's wrapper
+        if state is not None and state.startup_error is not None:  # the real error, not hypercorn's wrapper
             raise state.startup_error from None
+
+
+def _loading_status(config: ServeConfig) -> dict:
+    """``/health`` while the model loads: what loads, and how far it got when that is known here."""
+    status = {"status": "loading", "model": config.resolved_served_name()}
+    load = progress.current()
+    if load is not None:
+        done, total, desc = load
+        status["progress"] = {"loaded_bytes": done, "total_bytes": total, "what": desc}
+    return status
 
 
 def serve(config: ServeConfig) -> None:
