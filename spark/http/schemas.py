@@ -9,6 +9,7 @@ Ranges are checked later by ``SamplingParams`` and ``spark.http.params``.
 from __future__ import annotations
 
 import json
+import math
 import typing
 from typing import Any
 
@@ -167,7 +168,12 @@ def _scalar_hook(tp: type):
     def structure(value: object, _: type) -> object:
         if not _accepts(tp, value):
             raise _Expected(f"expected {_type_name(tp)}")
-        return float(value) if tp is float else value
+        if tp is not float:
+            return value
+        try:
+            return float(value)
+        except OverflowError:  # an integer literal past the largest float
+            raise _Expected("expected float, got an integer too large for one") from None
 
     return structure
 
@@ -238,7 +244,7 @@ def read_json(raw: bytes) -> Any:
         ApiError: 400 ``invalid_json``, naming where the problem is as ``param`` when it can.
     """
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") \
             from None
@@ -246,6 +252,18 @@ def read_json(raw: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     _check_tree(body)
     return body
+
+
+def _refuse_constant(name: str) -> float:
+    # Python's json takes NaN and Infinity, which are not JSON: nothing downstream can store them.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
 
 
 def _check_tree(body: Any) -> None:

@@ -57,3 +57,24 @@ def test_wrong_typed_roles_and_ids_are_a_400(server, path, body, param):
         r = http.post(path, json=body)
         assert r.status_code == 400, (r.status_code, r.text[:300])
         assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b'{"prompt": "hi", "max_tokens": 1, "metadata": {"a": NaN}}', "NaN is not a JSON number"),
+    (b'{"input": "hi", "metadata": {"a": Infinity}}', "Infinity is not a JSON number"),
+    (b'{"prompt": "hi", "temperature": 1e999}', "out of range"),
+])
+def test_numbers_json_has_not_are_refused(server, raw, needle):
+    # Python's json takes NaN and Infinity; a stored body holding one was a 500 from SQLite's index.
+    path = "/v1/responses" if b'"input"' in raw else "/v1/completions"
+    with server.http() as http:
+        r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text[:300]
+
+
+def test_an_integer_past_the_largest_float_in_a_number_field_says_so(server):
+    with server.http() as http:
+        r = http.post("/v1/completions", content=b'{"prompt": "hi", "temperature": ' + b"9" * 400 + b"}",
+                      headers={"Content-Type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "temperature" and "too large" in error["message"], r.text
