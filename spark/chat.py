@@ -17,7 +17,7 @@ import httpx
 PROMPT = "you> "
 
 
-def chat(url: str | None, *, model: str = "default") -> None:
+def chat(url: str | None, *, model: str = "default", api_key: str | None = None) -> None:
     """Chat in the terminal.
 
     Args:
@@ -25,16 +25,18 @@ def chat(url: str | None, *, model: str = "default") -> None:
         None starts a server in-process on a free port.
       model: with ``url`` None, the model to serve; otherwise the model name to ask for
         ("default" asks for whatever the server serves).
+      api_key: the server's Bearer key; None: ``SPARK_API_KEY``, else none.
     """
+    api_key = api_key if api_key is not None else os.environ.get("SPARK_API_KEY")
     if url is None:
         with _local_server(model) as local_url:
-            _repl(local_url, None)
+            _repl(local_url, None, None)
     else:
-        _repl(url.rstrip("/"), None if model == "default" else model)
+        _repl(url.rstrip("/"), None if model == "default" else model, api_key)
 
 
-def _repl(url: str, model: str | None) -> None:
-    headers = {"Authorization": f"Bearer {os.environ['SPARK_API_KEY']}"} if os.environ.get("SPARK_API_KEY") else {}
+def _repl(url: str, model: str | None, api_key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     history: list[dict] = []
     print("Type a message; /reset clears the conversation, /exit leaves.")
     with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(10.0, read=None)) as http:

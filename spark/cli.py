@@ -13,9 +13,24 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser, handlers = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from spark.engine.errors import ModelLoadError
+
+    try:
+        return handlers[args.command](args)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"spark: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The ``spark`` command's parser, and each subcommand's handler."""
     from spark.serve_config import REASONING_PARSER_CHOICES, SCHEDULER_POLICIES, TOOL_CALL_PARSER_CHOICES
 
     parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
+    parser.add_argument("--version", action="version", version=f"spark {_version()}")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -30,21 +45,29 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     gen.add_argument("--json", action="store_true", help='print {"text", "token_ids", "prompt_token_ids"}')
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    srv.add_argument("--host", default=None)
-    srv.add_argument("--port", type=int, default=None)
-    srv.add_argument("--model", default=None)
-    srv.add_argument("--served-name", default=None)
-    srv.add_argument("--device", default=None)
-    srv.add_argument("--max-batch-size", type=int, default=None)
-    srv.add_argument("--max-prefill-tokens", type=int, default=None)
-    srv.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=None)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API", epilog=_environment_epilog(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    srv.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0: a free one)")
+    srv.add_argument("--model", default=None,
+                     help="a .gguf file, an HF directory, 'default' (the embedded SmolLM2-135M) or 'dummy:<preset>' "
+                          "(default: default)")
+    srv.add_argument("--served-name", default=None, help="the model name clients use (default: the file's name)")
+    srv.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
+    srv.add_argument("--max-batch-size", type=int, default=None, help="sequences computed together at most (default 64)")
+    srv.add_argument("--max-prefill-tokens", type=int, default=None,
+                     help="prompt tokens per engine step at most; longer prompts are chunked (default 512)")
+    srv.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=None,
+                     help="slai (default): keeps running streams within a time-between-tokens deadline while "
+                          "prefills progress; fifo: first come, first served")
     srv.add_argument("--scheduler-depth", type=int, default=None,
-                     help="engine steps planned ahead (default 3)")
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--cpu-threads", type=int, default=None,
+                     help="engine steps launched ahead of their results (default 2)")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="context length in tokens (default: the model's, or its recipe's)")
+    srv.add_argument("--cpu-threads", "--threads", type=int, default=None,
                      help="torch threads of a CPU engine (default: the usable cores less one, at least 1)")
-    srv.add_argument("--api-key", action="append", default=None, help="accepted Bearer key (repeatable)")
+    srv.add_argument("--api-key", action="append", default=None,
+                     help="accepted Bearer key (repeatable; default: none, /v1 is open)")
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")
     srv.add_argument("--recipes", default=None, help="the recipes directory (default with --recipe: recipes/)")
     srv.add_argument("--admin-key", default=None, help="Bearer key of the admin API (/api/inference)")
@@ -55,25 +78,47 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-thinking-budget", type=int, default=None,
                      help="reasoning tokens per request at most (default: unlimited)")
     srv.add_argument("--disable-thinking", action="store_true", default=None,
-                     help="thinking off unless a request turns it on (chat_template_kwargs.enable_thinking)")
+                     help="thinking off, whatever a request asks (a kill-switch)")
+    srv.add_argument("--state-dir", default=None,
+                     help="this server's activity log, usage counters and stored responses (default: "
+                          "~/.local/state/spark/<port>/ for the log and counters, ~/.local/share/spark/ for responses)")
+    srv.add_argument("--access-log", action="store_true", help="print one line per HTTP request to stdout")
 
     chat = sub.add_parser("chat", help="talk to a model in the terminal")
     chat.add_argument("--url", default=None, help="a running Spark server (default: start the default model here)")
-    chat.add_argument("--model", default="default")
+    chat.add_argument("--model", default="default", help="the model to serve, or to ask the server for")
+    chat.add_argument("--api-key", default=None, help="the server's Bearer key (default: $SPARK_API_KEY)")
 
     from spark.cli_inference import add_commands
 
     handlers = {"generate": _generate, "serve": _serve, "chat": _chat, **add_commands(sub)}
+    return parser, handlers
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from spark.engine.errors import ModelLoadError
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return handlers[args.command](args)
-    except (ModelLoadError, ValueError) as exc:
-        print(f"spark: {exc}", file=sys.stderr)
-        return 2
+        return version("spark")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _environment_epilog() -> str:
+    """Every ``SPARK_*`` variable ``spark serve`` reads, with its default: from ServeConfig, so it cannot drift."""
+    import attrs
+
+    from spark.serve_config import ServeConfig
+
+    lines = ["environment variables (a flag wins over its variable):"]
+    for field in attrs.fields(ServeConfig):
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory()
+        shown = "none" if default in (None, (), "") else default
+        lines.append(f"  SPARK_{field.name.upper():<28} default {shown}")
+    lines.append("  SPARK_API_KEYS takes a comma-separated list; booleans take 1/0, true/false, yes/no, on/off.")
+    return "\n".join(lines)
 
 
 def _generate(args) -> int:
@@ -109,28 +154,38 @@ def _serve(args) -> int:
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, max_model_len=args.max_model_len,
         cpu_threads=args.cpu_threads, api_keys=tuple(args.api_key) if args.api_key else None,
-        recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, **_state_paths(),
+        recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key,
+        **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,
     )
-    serve(config)
+    serve(config, access_log=args.access_log)
     return 0
 
 
-def _state_paths() -> dict:
-    """Where ``spark serve`` keeps its activity log and usage counters, unless SPARK_* variables say."""
+def _state_paths(state_dir: str | None, port: int | None) -> dict:
+    """Where ``spark serve`` keeps its activity log and usage counters (and, with ``state_dir``, its stored
+    responses), unless SPARK_* variables say: one directory per server, so that two servers on one
+    machine never read each other's logs."""
     import os
     import pathlib
 
-    base = pathlib.Path(os.environ.get("XDG_STATE_HOME") or pathlib.Path.home() / ".local" / "state") / "spark"
-    return {"activity_log_path": os.environ.get("SPARK_ACTIVITY_LOG_PATH") or str(base / "activity.jsonl"),
+    if state_dir:
+        base = pathlib.Path(state_dir).expanduser()
+        paths = {"state_path": os.environ.get("SPARK_STATE_PATH") or str(base / "state.sqlite3")}
+    else:
+        root = pathlib.Path(os.environ.get("XDG_STATE_HOME") or pathlib.Path.home() / ".local" / "state") / "spark"
+        port = port if port is not None else int(os.environ.get("SPARK_PORT") or 8000)
+        base = root / (str(port) if port else f"pid-{os.getpid()}")  # port 0: a free one, this process's own
+        paths = {}
+    return {**paths, "activity_log_path": os.environ.get("SPARK_ACTIVITY_LOG_PATH") or str(base / "activity.jsonl"),
             "usage_path": os.environ.get("SPARK_USAGE_PATH") or str(base / "usage.json")}
 
 
 def _chat(args) -> int:
     from spark.chat import chat
 
-    chat(args.url, model=args.model)
+    chat(args.url, model=args.model, api_key=args.api_key)
     return 0
 
 

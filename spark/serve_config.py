@@ -67,7 +67,7 @@ class ServeConfig:
     reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(REASONING_PARSER_CHOICES))
     max_thinking_budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(0)))  # reasoning tokens per request at most; None: unlimited
-    disable_thinking: bool = False  # thinking off unless a request turns it on
+    disable_thinking: bool = False  # thinking off, whatever a request asks: a kill-switch
     # Recipes and the one-slot control plane (spark.recipes, spark.control). Without recipes_dir and
     # recipe the server serves `model` alone, as an implicit recipe.
     recipes_dir: str | None = None  # the recipes directory; the project's recipes/ when only `recipe` is set

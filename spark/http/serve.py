@@ -115,9 +115,9 @@ def _loading_status(config: ServeConfig) -> dict:
     return status
 
 
-def serve(config: ServeConfig) -> None:
+def serve(config: ServeConfig, *, access_log: bool = False) -> None:
     """Serve ``config`` until Ctrl-C (``spark serve``)."""
-    trio.run(functools.partial(serve_async, config, settle_gc=True))
+    trio.run(functools.partial(serve_async, config, settle_gc=True, access_log=access_log))
 
 
 @contextlib.contextmanager

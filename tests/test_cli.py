@@ -1,0 +1,55 @@
+"""The ``spark`` command as a newcomer reads it (issue 19.4, 19.7, 19.8): help for every option, the
+variables listed, a version, one state directory per server, and chat's key."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import attrs
+
+from spark.cli import _state_paths, build_parser
+from spark.serve_config import ServeConfig
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser, _ = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_every_serve_option_says_what_it_does():
+    for action in _serve_parser()._actions:
+        assert action.help and action.help != argparse.SUPPRESS, action.option_strings  # 9 of 18 had none
+    scheduler = next(a for a in _serve_parser()._actions if "--scheduler" in a.option_strings)
+    assert "slai (default)" in scheduler.help and "time-between-tokens" in scheduler.help  # "slai" was never explained
+
+
+def test_the_epilog_lists_every_spark_variable():
+    epilog = _serve_parser().epilog
+    for field in attrs.fields(ServeConfig):
+        assert f"SPARK_{field.name.upper()} " in epilog, field.name
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "spark.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("spark "), (out.returncode, out.stdout, out.stderr)
+
+
+def test_each_server_has_its_own_log_and_counters(tmp_path, monkeypatch):
+    for name in ("SPARK_ACTIVITY_LOG_PATH", "SPARK_USAGE_PATH", "SPARK_STATE_PATH", "SPARK_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    a, b = _state_paths(None, 8000), _state_paths(None, 8001)
+    assert a["activity_log_path"] != b["activity_log_path"] and a["usage_path"] != b["usage_path"]
+    assert a["activity_log_path"].startswith(str(tmp_path / "spark" / "8000"))
+    mine = _state_paths(str(tmp_path / "mine"), 8000)
+    assert {mine["activity_log_path"], mine["usage_path"], mine["state_path"]} == {
+        str(tmp_path / "mine" / n) for n in ("activity.jsonl", "usage.json", "state.sqlite3")}
+
+
+def test_chat_takes_an_api_key():
+    parser, _ = build_parser()
+    args = parser.parse_args(["chat", "--url", "http://127.0.0.1:1", "--api-key", "k"])
+    assert args.api_key == "k"
