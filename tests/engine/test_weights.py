@@ -410,3 +410,17 @@ def test_progress_logs_every_tenth(caplog):
         list(iter_weights(resolve_model("dummy:tiny-llama"), dtype=torch.float32))
     lines = [r.getMessage() for r in caplog.records if r.name == "spark.load"]
     assert 2 <= len(lines) <= 10 and lines[-1].startswith("loading dummy weights:") and "(100%)" in lines[-1]
+
+
+def test_progress_counts_the_bytes_on_disk(caplog, monkeypatch):
+    # The embedded 93 MB Q4_1 file showed as its 538 MB of float32 (issue 19.3).
+    from spark.engine import progress
+    from spark.engine.weights import default_model_path
+
+    seen = []
+    monkeypatch.setattr(progress.LoadProgress, "advance",
+                        lambda self, n: (seen.append((self.total, n)), setattr(self, "done", self.done + n)))
+    list(iter_weights(resolve_model("default"), dtype=torch.float32))
+    size = default_model_path().stat().st_size
+    assert seen and all(total == size for total, _ in seen)
+    assert abs(sum(n for _, n in seen) - size) <= len(seen)  # rounding of each tensor's share at most

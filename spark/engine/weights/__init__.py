@@ -160,16 +160,29 @@ def iter_weights(
         tensors = dummy.iter_dummy_tensors(expected, seed=source.dummy_seed, dtype=dtype, device=device)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-    total = sum(math.prod(s) for s in expected.values()) * dtype.itemsize
+    expanded = sum(math.prod(s) for s in expected.values())
+    # The bar counts the bytes read from disk (a 93 MB Q4_1 file showed as its 538 MB in float32):
+    # each tensor advances it by its share of the elements.
+    on_disk = _bytes_on_disk(source.path) if source.path is not None else 0
+    total = on_disk or expanded * dtype.itemsize
     desc = source.path.name if source.path is not None else "dummy weights"
-    return _converted(tensors, LoadProgress(total, desc, enabled=progress), dtype=dtype, device=device)
+    return _converted(tensors, LoadProgress(total, desc, enabled=progress), total / max(1, expanded),
+                      dtype=dtype, device=device)
 
 
-def _converted(tensors, bar: LoadProgress, *, dtype, device) -> Iterator[tuple[str, torch.Tensor]]:
+def _bytes_on_disk(path: pathlib.Path) -> int:
+    """The size of a .gguf file, or of an HF directory's weight files."""
+    if path.is_dir():
+        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
+    return path.stat().st_size
+
+
+def _converted(tensors, bar: LoadProgress, bytes_per_element: float, *, dtype, device
+               ) -> Iterator[tuple[str, torch.Tensor]]:
     # A separate generator so that iter_weights validates when called, not at the first next().
     with bar:
         for name, tensor in tensors:
             # Move first, then cast: on a GPU the cast is free, on the host it is not.
             tensor = tensor.to(device=device).to(dtype=dtype)
-            bar.advance(tensor.numel() * tensor.element_size())
+            bar.advance(round(tensor.numel() * bytes_per_element))
             yield name, tensor
