@@ -23,6 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as exc:
         print(f"spark: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
+        print("spark: interrupted", file=sys.stderr)  # Ctrl-C during a load: no 32-line traceback
+        return 130
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """A KeyboardInterrupt, alone or as every leaf of trio's exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_interrupted(e) for e in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:

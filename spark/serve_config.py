@@ -74,6 +74,9 @@ class ServeConfig:
     recipe: str | None = None  # the recipe active at start; none loaded until named when unset
     switch_on_demand: bool = True  # a request naming another recipe switches to it (503 + Retry-After meanwhile)
     switch_grace_s: float = 30.0  # how long in-flight requests may finish before a switch cuts them off
+    # On SIGTERM/SIGINT: no new requests, open streams get this long to finish, the rest end with an
+    # error event saying the server is shutting down (a second signal ends them at once).
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
     admin_key: str | None = None  # Bearer key of /api/inference/*; required there once any key is configured
     activity_log_path: str | None = None  # one JSON line per generation request; None: no log
     # Faults on purpose, for tests and drills (spark.core.faults): "step=3,7;request=5" makes the 3rd

@@ -53,3 +53,11 @@ def test_chat_takes_an_api_key():
     parser, _ = build_parser()
     args = parser.parse_args(["chat", "--url", "http://127.0.0.1:1", "--api-key", "k"])
     assert args.api_key == "k"
+
+
+def test_an_interrupt_during_a_load_is_one_line():
+    from spark.cli import _interrupted
+
+    assert _interrupted(KeyboardInterrupt())
+    assert _interrupted(BaseExceptionGroup("trio", [BaseExceptionGroup("inner", [KeyboardInterrupt()])]))
+    assert not _interrupted(BaseExceptionGroup("trio", [KeyboardInterrupt(), ValueError("x")]))

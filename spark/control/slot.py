@@ -86,6 +86,7 @@ class Slot:
         self._nursery: trio.Nursery | None = None
         self._switch_started = 0.0
         self._switch_grace = 0.0
+        self._grace_scope: trio.CancelScope | None = None  # an unload's wait for its streams
         self._switched = trio.Event()
         self._switched.set()
         self._stop = trio.Event()
@@ -168,6 +169,27 @@ class Slot:
         self._nursery.start_soon(self._switch, None)
         return self._switched
 
+    def shut_down(self, *, grace_s: float) -> trio.Event:
+        """Stop admitting and unload for the server's exit: open streams get ``grace_s`` to finish,
+        the rest end with an error event saying the server is shutting down. Returns an event set
+        when done; a switch under way is waited for first."""
+        done = trio.Event()
+
+        async def drain() -> None:
+            await self._switched.wait()
+            self._begin(None, grace_s=grace_s)
+            await self._switch(None, why="the server is shutting down")
+            done.set()
+
+        self._nursery.start_soon(drain)
+        return done
+
+    def cut_short(self) -> None:
+        """End the grace period of an unload under way now (a second Ctrl-C)."""
+        self._switch_grace = 0.0
+        if self._grace_scope is not None:
+            self._grace_scope.cancel()
+
     def _begin(self, recipe: Recipe | None, *, grace_s: float) -> None:
         """The synchronous half of a switch: from here on no request reaches the old model."""
         self.target, self._switch_grace = recipe, grace_s
@@ -179,9 +201,9 @@ class Slot:
             self.model.admitting = False
         self._event("switch", recipe.id if recipe else None, f"from {self.active.id if self.active else 'nothing'}")
 
-    async def _switch(self, recipe: Recipe | None) -> None:
+    async def _switch(self, recipe: Recipe | None, *, why: str | None = None) -> None:
         try:
-            await self._unload(f"switching to {recipe.served_name}" if recipe else "taken down")
+            await self._unload(why or (f"switching to {recipe.served_name}" if recipe else "taken down"))
             if recipe is None:
                 self._set_state("idle")
             else:
@@ -200,8 +222,9 @@ class Slot:
         self.active = None
         if model is None:
             return
-        with trio.move_on_after(self._switch_grace):
+        with trio.move_on_after(self._switch_grace) as self._grace_scope:
             await model.drained()
+        self._grace_scope = None
         cut = model.open_streams
         if cut:
             model.evict(f"{old.served_name} was unloaded ({why}) before this generation finished; retry the request")

@@ -256,7 +256,7 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterato
         if job.include_usage:
             out.append(fmt.sse({**head, "choices": [], "usage": fmt.usage(job.prompt_tokens, completion_tokens)}))
         yield b"".join(out) + fmt.SSE_DONE
-    except ApiError as exc:  # a choice failed: its text so far, then the error
-        yield b"".join(out) + fmt.sse(exc.body())
+    except ApiError as exc:  # a choice failed: its text so far, then the error, and the stream's end
+        yield b"".join(out) + fmt.sse(exc.body()) + fmt.SSE_DONE
     finally:
         fanin.close()

@@ -78,12 +78,12 @@ async def serve_async(config: ServeConfig, *, engine: LoadedEngine | None = None
             if failure is not None:
                 raise failure
         app = create_app(config, engine=engine)
+        state = app.extensions["spark"]
         if shutdown_trigger is None and threading.current_thread() is threading.main_thread():
-            shutdown_trigger = _until_signal
+            shutdown_trigger = functools.partial(_drain_on_signal, state, config.shutdown_grace_s, quiet)
         hc = hypercorn_config(config, access_log=access_log)
         hc.bind = [f"fd://{sock.detach()}"]  # hypercorn's from now on, connections in the backlog with it
         serve = functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=shutdown_trigger)
-        state = app.extensions["spark"]
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
             if state.startup_error is not None:  # start-up failed; hypercorn goes on to listen all the same
@@ -96,6 +96,8 @@ async def serve_async(config: ServeConfig, *, engine: LoadedEngine | None = None
                 served = state.limits.served_name if state.limits else "no model yet (name a recipe's model to load it)"
                 print(f"Spark serving {served} on {url}", flush=True)
             task_status.started(url)
+        if not quiet and state.startup_error is None:
+            print("Spark stopped", flush=True)
     finally:
         sock.close()  # a no-op once detached
         if owns_engine and engine is not None:  # the slot closed it already, unless start-up failed first
@@ -164,10 +166,29 @@ def serve_in_thread(serve, *, name: str, timeout: float | None = None, stop_time
             raise RuntimeError(f"{name} did not shut down")
 
 
-async def _until_signal() -> None:
+async def _drain_on_signal(state, grace_s: float, quiet: bool) -> None:
+    """Return once SIGINT or SIGTERM came and the open streams were drained: hypercorn keeps serving
+    meanwhile, and every generating route answers 503, so clients hear why; a second signal cuts
+    the streams at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
+            break
+        slot = state.slot
+        if slot is None or slot.model is None:
             return
+        if not quiet:
+            print(f"Spark stopping: {slot.model.open_streams} open stream(s) get up to {grace_s:g} s to finish "
+                  "(again to stop now)", flush=True)
+        done = slot.shut_down(grace_s=grace_s)
+        async with trio.open_nursery() as nursery:
+            async def cut_on_a_second_signal() -> None:
+                async for _ in signals:
+                    slot.cut_short()
+                    return
+
+            nursery.start_soon(cut_on_a_second_signal)
+            await done.wait()
+            nursery.cancel_scope.cancel()
 
 
 if __name__ == "__main__":

@@ -121,3 +121,47 @@ async def test_the_loading_answers_go_and_the_socket_stays_for_the_app():
             pass  # still listening: the backlog waits for the app
     finally:
         sock.close()
+
+
+def test_a_signal_drains_the_open_streams_then_exits_0():
+    # A Ctrl-C cut streams with no finish reason and no [DONE] (curl rc 18) after 5 s (issue 19.6).
+    import signal
+    import threading
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "spark.cli", "serve", "--port", str(port)],
+                            env=_env(SPARK_SHUTDOWN_GRACE_S="3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        streams: dict[str, list[str]] = {}
+
+        def stream(name: str, max_tokens: int) -> None:
+            body = {"prompt": "Count: 1, 2,", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                streams[name] = [line for line in r.iter_lines() if line.startswith("data:")]
+
+        long = threading.Thread(target=stream, args=("long", 5000))
+        long.start()
+        time.sleep(1.0)  # the long one runs
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        long.join(60)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, (proc.returncode, err[-2000:])
+        assert refused.status_code == 503
+        assert streams["long"][-1] == "data: [DONE]" and "shutting down" in streams["long"][-2], streams["long"][-3:]
+        assert "Spark stopping: 1 open stream(s)" in out and out.strip().endswith("Spark stopped"), out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
