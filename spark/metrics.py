@@ -74,3 +74,31 @@ class Metrics:
         self.step_prefill_tokens = Histogram(
             "spark_step_prefill_tokens", "Prompt tokens computed in a step", buckets=_PREFILL_BUCKETS, registry=r
         )
+
+
+class ThroughputLog:
+    """vLLM's periodic line, from the counters: tokens per second since the last line, and the queue.
+
+    ``line(now)`` is None while nothing runs, waits or moved, so an idle server logs nothing."""
+
+    def __init__(self, metrics: Metrics, now: float) -> None:
+        self._metrics = metrics
+        self._last = (now, *self._totals())
+
+    def _totals(self) -> tuple[float, float]:
+        get = self._metrics.registry.get_sample_value
+        return get("spark_prompt_tokens_total") or 0.0, get("spark_generation_tokens_total") or 0.0
+
+    def line(self, now: float) -> str | None:
+        get = self._metrics.registry.get_sample_value
+        then, prompt_then, generated_then = self._last
+        prompt, generated = self._totals()
+        self._last = (now, prompt, generated)
+        running, waiting = get("spark_requests_running") or 0, get("spark_requests_waiting") or 0
+        if prompt == prompt_then and generated == generated_then and not running and not waiting:
+            return None
+        seconds = max(now - then, 1e-9)
+        used, total = get("spark_kv_pages_used") or 0, get("spark_kv_pages_total") or 0
+        return (f"prompt {(prompt - prompt_then) / seconds:.1f} tok/s, generation {(generated - generated_then) / seconds:.1f} "
+                f"tok/s, running {running:.0f}, waiting {waiting:.0f}, KV pages {used:.0f}/{total:.0f} "
+                f"({100 * used / max(total, 1):.0f}%)")

@@ -36,7 +36,7 @@ from spark.actors.messages import GenerateRequest
 from spark.actors.rate_limiter import RateLimiter
 from spark.core.interfaces import LoadedEngine, StepEngine
 from spark.engine.sampling import SamplingParams
-from spark.metrics import Metrics
+from spark.metrics import Metrics, ThroughputLog
 from spark.serve_config import ServeConfig
 
 __all__ = ["SparkSystem", "SubmitError", "open_system"]
@@ -79,6 +79,18 @@ class SparkSystem:
         self.ready = True
 
 
+THROUGHPUT_LOG_S = 10.0  # how often a busy server logs its throughput (INFO)
+
+
+async def _log_throughput(metrics: Metrics, every_s: float) -> None:
+    throughput = ThroughputLog(metrics, trio.current_time())
+    while True:
+        await trio.sleep(every_s)
+        line = throughput.line(trio.current_time())
+        if line is not None and log.isEnabledFor(logging.INFO):
+            log.info("throughput: %s", line)
+
+
 @asynccontextmanager
 async def open_system(
     engine: EngineProcess | StepEngine,
@@ -118,6 +130,7 @@ async def open_system(
             served_name=served_name or config.resolved_served_name(),
         )
         await system.preflight()
+        nursery.start_soon(_log_throughput, metrics, THROUGHPUT_LOG_S)
         log.info("actors up: policy=%s max_batch=%d pages=%d depth=%s core=%s", config.scheduler,
                  config.max_batch_size, num_pages, config.scheduler_depth or "default",
                  "process" if isinstance(engine, EngineProcess) else "thread")

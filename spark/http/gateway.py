@@ -141,6 +141,10 @@ class _LoggedAtEnd(IterableBody):
 
 def _log(slot: Slot, tally: Tally, status: int, *, outcome: str = "ok") -> None:
     record = tally.record(status, outcome=outcome if status < 400 else "failed")
+    if log.isEnabledFor(logging.INFO):  # one line per generation, at --log-level INFO
+        log.info("%s %s %d %s: %d prompt + %d generated tokens in %.2f s%s", record["endpoint"],
+                 record["served_model"] or record["model"], status, record["outcome"], record["prompt_tokens"],
+                 record["completion_tokens"], record["latency_s"], " (stream)" if record["stream"] else "")
     if slot.activity is not None:
         slot.activity.append(record)
     if tally.recipe is not None and status < 400:

@@ -373,3 +373,18 @@ async def test_clients_that_leave_right_after_submitting_do_not_break_the_system
             assert last.finish_reason == "length"
             await assert_idle_and_free(system, allocator)
         assert double.sequences == {}, f"the engine still holds {sorted(double.sequences)}"
+
+
+def test_the_throughput_line_says_tokens_per_second_and_the_queue():
+    from spark.metrics import Metrics, ThroughputLog
+
+    metrics = Metrics()
+    log = ThroughputLog(metrics, now=0.0)
+    assert log.line(now=10.0) is None  # idle: nothing to say
+    metrics.prompt_tokens.inc(500)
+    metrics.generation_tokens.inc(250)
+    metrics.requests_running.set(3)
+    metrics.kv_pages_used.set(25)
+    metrics.kv_pages_total.set(100)
+    assert log.line(now=20.0) == ("prompt 50.0 tok/s, generation 25.0 tok/s, running 3, waiting 0, "
+                                  "KV pages 25/100 (25%)")
