@@ -113,7 +113,8 @@ def read_recipe(path: str | os.PathLike, *, draft: bool = False) -> tuple[Recipe
         recipe = structure_recipe(raw)
     except Exception as exc:  # noqa: BLE001 -- cattrs groups every type problem into one exception
         seen = {(p.path, p.message) for p in found}
-        found += [Problem(shown, p, m, _line(lines, p)) for p, m in describe_errors(exc) if (p, m) not in seen]
+        found += [problem for p, m in describe_errors(exc) if (p, m) not in seen
+                  for problem in _located(shown, lines, p, m)]
     if found:
         return None, sorted(found, key=lambda p: (p.line or 0, p.path))
     return attrs.evolve(recipe, path=path, draft=draft), []
@@ -313,6 +314,15 @@ def _index_lines(node, path: str, lines: dict[str, int]) -> None:
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             _index_lines(item, f"{path}[{i}]", lines)
+
+
+def _located(shown: str, lines: dict[str, int], path: str, message: str) -> list[Problem]:
+    """The problem at the line it is on: an unknown field at its own line (its mapping's was shown),
+    one problem per field."""
+    if message.startswith("unknown field"):
+        names = message.split(" ", 2)[2].split(", ")
+        return [Problem(shown, path, f"unknown field {name}", _line(lines, f"{path}.{name}")) for name in names]
+    return [Problem(shown, path, message, _line(lines, path))]
 
 
 def _line(lines: dict[str, int], path: str) -> int | None:
