@@ -147,13 +147,17 @@ def _generate(args) -> int:
     else:
         prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
-    outputs = generate(engine, [prompt_ids], params)[0]
-    token_ids = [o.token_id for o in outputs]
-    text = tok.decode(token_ids, skip_special_tokens=True)
     if args.json:
+        outputs = generate(engine, [prompt_ids], params)[0]
+        token_ids = [o.token_id for o in outputs]
+        text = tok.decode(token_ids, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": token_ids, "prompt_token_ids": list(prompt_ids)}, ensure_ascii=False))
-    else:
-        print(text)
+        return 0
+    from spark.engine.detokenizer import IncrementalDetokenizer
+
+    text = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=True)  # the text as it comes
+    generate(engine, [prompt_ids], params, on_token=lambda _, out: print(text.push(out.token_id), end="", flush=True))
+    print(text.flush(), flush=True)
     return 0
 
 

@@ -61,3 +61,28 @@ def test_an_interrupt_during_a_load_is_one_line():
     assert _interrupted(KeyboardInterrupt())
     assert _interrupted(BaseExceptionGroup("trio", [BaseExceptionGroup("inner", [KeyboardInterrupt()])]))
     assert not _interrupted(BaseExceptionGroup("trio", [KeyboardInterrupt(), ValueError("x")]))
+
+
+def test_generate_prints_the_text_as_it_comes(capsys):
+    # It printed nothing until the end (issue 19.8); streamed, it must still be the same text.
+    from spark.cli import main
+    from spark.engine import offline
+
+    calls = []
+    original = offline.generate
+
+    def counting(*args, on_token=None, **kw):
+        return original(*args, on_token=(lambda i, out: (calls.append(out), on_token(i, out))) if on_token else None,
+                        **kw)
+
+    prompt = ["generate", "--max-tokens", "12", "--device", "cpu", "The capital of France is"]
+    import unittest.mock
+
+    with unittest.mock.patch.object(offline, "generate", counting):
+        assert main(prompt) == 0
+    streamed = capsys.readouterr().out
+    assert main(["generate", "--json", *prompt[1:]]) == 0
+    import json
+
+    assert streamed == json.loads(capsys.readouterr().out)["text"] + "\n"
+    assert len(calls) == 12  # each token printed as it came

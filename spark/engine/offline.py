@@ -6,6 +6,7 @@ every prompt submitted at once: the same plans, the same overlap of host and dev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Sequence as Seq
 
 from spark.core.core import Core
@@ -24,8 +25,13 @@ def generate(
     *,
     max_prefill_tokens: int | None = None,
     max_batch_size: int = 256,
+    on_token: Callable[[int, TokenOutput], None] | None = None,
 ) -> list[list[TokenOutput]]:
     """Run prompts to completion.
+
+    Args:
+      on_token: called with ``(prompt index, output)`` for each token as it comes (``spark generate``
+        prints them so).
 
     Each step decodes every running sequence and fills the rest with prefill chunks
     of waiting ones (at most ``max_prefill_tokens`` prompt tokens per step, so long
@@ -52,6 +58,8 @@ def generate(
                 if isinstance(event, TokenBatch):
                     for out in event.outputs:
                         results[out.seq_id[1]].append(out)
+                        if on_token is not None:
+                            on_token(out.seq_id[1], out)
                 elif isinstance(event, Failed):
                     raise RuntimeError(f"prompt {event.request_id[1]}: {event.error}")
     finally:
