@@ -69,7 +69,8 @@ def _open_and_drop_a_stream(http, model: str) -> None:
             "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        events = [line for line, _ in zip(r.iter_lines(), range(8)) if line.startswith("data:")]
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection (the hang-up, too early)
+        events = [line for line, _ in zip(lines, range(8)) if line.startswith("data:")]
         assert len(events) >= 3
         deadline = time.monotonic() + 2  # the gauges follow the core's turns (another thread)
         while _metric(http, "spark_kv_pages_used") == 0 and time.monotonic() < deadline:
