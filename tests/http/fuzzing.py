@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -440,3 +441,35 @@ class Fuzzer:
     def rounds(self, *, exclude: frozenset[str] = frozenset()) -> st.SearchStrategy[tuple[Call, ...]]:
         """One request of every operation (less ``exclude``) and one routing request: every route as often."""
         return st.tuples(*[self.call(name) for name in self.ops if name not in exclude], self.routing())
+
+
+# -- raw sockets, for what an HTTP client would hide (keep-alive after early answers) ----------
+
+
+def read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 answer read off a raw socket, by its Content-Length: its head and its body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed mid-body"
+        body += chunk
+    return head, body[:length]
+
+
+def closes(sock: socket.socket) -> bool:
+    """Whether the server closes the connection within 2 s."""
+    sock.settimeout(2)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (TimeoutError, BlockingIOError):
+        return False
+    except ConnectionResetError:
+        return True

@@ -165,33 +165,6 @@ EARLY = [(b"POST /v1/nope", 404), (b"POST /health", 405), (b"PATCH /v1/chat/comp
          (b"DELETE /v1/messages", 405), (b"PUT /openapi.json", 405), (b"POST /api/inference/nope", 404)]
 
 
-def _read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before an answer: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "closed mid-body"
-        body += chunk
-    return head, body[:length]
-
-
-def _closes(sock: socket.socket) -> bool:
-    sock.settimeout(2)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except (TimeoutError, BlockingIOError):
-        return False
-    except ConnectionResetError:
-        return True
-
-
 @pytest.mark.parametrize("line, status", EARLY, ids=[e[0].decode() for e in EARLY])
 def test_keep_alive_after_an_early_answer(server, line, status):
     """Headers, their answer, then the body and GET /health on the same connection: either the answer
@@ -201,7 +174,7 @@ def test_keep_alive_after_an_early_answer(server, line, status):
     with socket.create_connection((parts.hostname, parts.port), timeout=5) as sock:
         sock.sendall(line + b" HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + API_KEY.encode()
                      + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-        head, answer = _read_answer(sock)
+        head, answer = fuzzing.read_answer(sock)
         assert head.startswith(b"HTTP/1.1 %d" % status), head
         problem = fuzzing.error_shape_problem(line.split(b" ")[1].decode(), status, answer)
         assert problem is None, problem
@@ -212,9 +185,9 @@ def test_keep_alive_after_an_early_answer(server, line, status):
             assert b"connection: close" in head.lower()
             return
         if b"connection: close" in head.lower():
-            assert _closes(sock), "said Connection: close, but the socket stayed open"
+            assert fuzzing.closes(sock), "said Connection: close, but the socket stayed open"
         else:
-            health, _ = _read_answer(sock)
+            health, _ = fuzzing.read_answer(sock)
             assert health.startswith(b"HTTP/1.1 200"), health
 
 

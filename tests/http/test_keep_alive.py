@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.http import fuzzing
 from tests.http.conftest import API_KEY
 
 BODY = b'{"model": "m", "prompt": "hi"}'
@@ -39,31 +40,9 @@ def _connect(url: str) -> socket.socket:
 
 
 def _read_answer(sock: socket.socket) -> tuple[bytes, bool]:
-    """One response (head and body, by its Content-Length), and whether the server then closed."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before an answer: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed mid-body"
-        body += chunk
-    return head + b"\r\n\r\n" + body[:length], b"connection: close" in head.lower()
-
-
-def _closes(sock: socket.socket, within_s: float = 2.0) -> bool:
-    sock.settimeout(within_s)
-    try:
-        while True:
-            if not sock.recv(65536):
-                return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
+    """One answer, and whether it said ``Connection: close``."""
+    head, body = fuzzing.read_answer(sock)
+    return head + b"\r\n\r\n" + body, b"connection: close" in head.lower()
 
 
 @pytest.mark.parametrize("line,headers,status", EARLY_ANSWERS, ids=[e[0].decode() for e in EARLY_ANSWERS])
@@ -78,7 +57,7 @@ def test_answer_before_the_body_closes_the_connection(server, line, headers, sta
             sock.sendall(BODY)
         except (BrokenPipeError, ConnectionResetError):
             return  # closed already, as promised
-        assert _closes(sock), "said Connection: close, but the socket stayed open"
+        assert fuzzing.closes(sock), "said Connection: close, but the socket stayed open"
 
 
 @pytest.mark.parametrize("line,headers,status", EARLY_ANSWERS[:4], ids=[e[0].decode() for e in EARLY_ANSWERS[:4]])
