@@ -14,18 +14,24 @@ Both cases are flooded (``--mode keyed|open|both``), each on a fresh server with
 ``POST /v1/chat/completions`` (keyed: a real chat body, 401, and the server closes the connection;
 open: a body that fails validation, 400, so that no generation runs), the others ``GET /v1/models``.
 
+Each mode runs, on one server: a warm-up (3 generations, ``--warmup-tokens`` flood requests); the
+idle TTFT; the memory flood of ``--tokens`` requests with nothing else meanwhile (no generation: they
+can grow the RSS by themselves, as the CPU's KV pages are first touched); the TTFT after it; a flood of
+``--during-tokens`` more new tokens with the TTFT sampled every ``--probe-interval`` seconds; a control
+flood of ``--control-tokens`` requests that all carry one token, sampled the same way.
+
 Pass criteria, per mode:
   * the server's resident memory (its process tree, /proc) grows by less than ``--max-rss-growth-mb``
-    (50) from before the flood (after a warm-up flood) to after it;
+    (50) from before the memory flood to after it;
   * the real key's TTFT (streamed chat, request to first content chunk; median of ``--probes``) after
-    the flood, and also during it, is within ``--max-ttft-ratio`` (2x) of the idle server's before the flood;
+    the memory flood, and during the flood that follows, is within ``--max-ttft-ratio`` (2x) of the idle
+    server's;
   * every flood request got the expected status (keyed: 401; open: 200 or 400) and none failed;
   * keyed: the limiter is on for the real key (``--burst`` requests at once, beyond ``--rps``, get 429s).
     Open: the same burst with one token is reported (``rate_limited``), not checked.
 
-Reported, no check: the TTFT during a control flood of ``--control-tokens`` requests that all carry
-one token (sent after the measurements above), which tells what the volume alone costs from what
-distinct tokens cost. ``--flood-rps`` caps the flood's rate (0: as fast as it goes).
+Reported, no check: the TTFT during the control flood, which tells what the volume alone costs
+from what distinct tokens cost. ``--flood-rps`` caps the floods' rate (0: as fast as they go).
 
 Run: ``python scripts/accept/key_flood.py [--mode both] [--tokens 100000]``; prints one JSON summary and
 exits 1 when a check fails. On a CPU of two cores the server, the flood and the probes share them
@@ -39,6 +45,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import queue
 import secrets
 import sys
 import threading
@@ -127,7 +134,10 @@ def flood(url: str, args, tokens: int, post_body: bytes, start: int, during=None
             during()
         else:
             time.sleep(0.2)
-    result = out.get()
+    try:
+        result = out.get(timeout=30)
+    except queue.Empty:
+        raise RuntimeError(f"the flood process ended with {proc.exitcode} and no result") from None
     proc.join()
     return result
 
@@ -202,22 +212,31 @@ def run_mode(mode: str, args) -> tuple[dict, dict[str, bool]]:
         idle = paced(lambda: ttft(http, REAL_KEY), args.probes, args.rps)
         rss_before = rss_settled(server)
 
+        rss_peak = [rss_before]
+
+        def watch() -> None:
+            rss_peak[0] = max(rss_peak[0], server.rss_bytes())
+            time.sleep(0.2)
+
+        # The memory measurement: a flood that generates nothing, with nothing else meanwhile (generations
+        # can grow the RSS by themselves, as KV pages on the CPU are touched for the first time).
+        result = flood(server.url, args, args.tokens, post_body, start=args.warmup_tokens, during=watch)
+        time.sleep(2.0)
+        rss_after = rss_settled(server)
+        after = paced(lambda: ttft(http, REAL_KEY), args.probes, args.rps)
+
         samples: dict[str, list[float]] = {"distinct": [], "same": []}
         flooding = ["distinct"]  # which flood the TTFT samples taken now belong to
-        rss_peak = [rss_before]
         last_probe = [0.0]
 
         def probe() -> None:
-            rss_peak[0] = max(rss_peak[0], server.rss_bytes())
             if time.monotonic() - last_probe[0] >= args.probe_interval:
                 samples[flooding[0]].append(ttft(http, REAL_KEY))
                 last_probe[0] = time.monotonic()
             time.sleep(0.1)
 
-        result = flood(server.url, args, args.tokens, post_body, start=args.warmup_tokens, during=probe)
-        time.sleep(2.0)
-        rss_after = rss_settled(server)
-        after = paced(lambda: ttft(http, REAL_KEY), args.probes, args.rps)
+        during_flood = flood(server.url, args, args.during_tokens, post_body, start=args.warmup_tokens + args.tokens,
+                             during=probe)
         control_flood = None
         if args.control_tokens:  # the same volume with one token throughout: what the volume alone costs
             flooding[0] = "same"
@@ -243,6 +262,7 @@ def run_mode(mode: str, args) -> tuple[dict, dict[str, bool]]:
         "rss_peak_mb": round(rss_peak[0] / 2**20, 1), "rss_growth_mb": round(growth_mb, 1),
         "ttft_idle_ms": round3(idle_ms * 1e3), "ttft_during_ms": round3(during_ms * 1e3) if during else None,
         "ttft_after_ms": round3(after_ms * 1e3), "ttft_during_samples": len(during),
+        "during_flood_tokens": during_flood["sent"], "during_flood_rps": round(during_flood["sent"] / during_flood["seconds"]),
         "ttft_during_ratio": round3(during_ms / idle_ms) if during else None,
         "ttft_after_ratio": round3(after_ms / idle_ms),
         "same_token_flood_rps": round(control_flood["sent"] / control_flood["seconds"]) if control_flood else None,
@@ -253,7 +273,8 @@ def run_mode(mode: str, args) -> tuple[dict, dict[str, bool]]:
         f"{mode}_rss_growth": growth_mb < args.max_rss_growth_mb,
         f"{mode}_ttft_after": after_ms <= args.max_ttft_ratio * idle_ms,
         f"{mode}_ttft_during": bool(during) and during_ms <= args.max_ttft_ratio * idle_ms,
-        f"{mode}_statuses": set(result["statuses"]) <= expected and result["errors"] == 0,
+        f"{mode}_statuses": all(set(f["statuses"]) <= expected and f["errors"] == 0
+                                for f in (result, during_flood, control_flood) if f is not None),
         f"{mode}_server_alive": alive,
     }
     if mode == "keyed":
@@ -268,6 +289,8 @@ def main() -> int:
     parser.add_argument("--warmup-tokens", type=int, default=3000)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--flood-rps", type=float, default=0.0, help="the flood's rate at most (0: as fast as it goes)")
+    parser.add_argument("--during-tokens", type=int, default=20_000,
+                        help="then a flood of this many new tokens, with the real key's TTFT sampled during it")
     parser.add_argument("--control-tokens", type=int, default=20_000,
                         help="then as many requests with one token throughout, to tell volume from distinct tokens")
     parser.add_argument("--post-fraction", type=float, default=0.5)
