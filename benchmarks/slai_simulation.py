@@ -91,6 +91,7 @@ def run(policy: str, scenario: Scenario = Scenario()) -> Result:
     config = ServeConfig(
         scheduler=policy, max_prefill_tokens=scenario.max_prefill_tokens,
         tbt_deadline_ms=1000 * scenario.tbt_deadline, max_batch_size=64, max_waiting=256,
+        prefix_caching=False,  # its prompts are one token repeated: a cache would compute them once
     )
     core = new_core(engine, config, clock=clock)
     streams = [f"stream-{i}" for i in range(scenario.num_streams)]

@@ -46,6 +46,8 @@ class ServeConfig:
     scheduler_depth: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(1)))
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
+    # Full prompt pages are cached and reused by later prompts that start with the same tokens.
+    prefix_caching: bool = True
     page_size: int = 16
     kv_cache_bytes: int | None = None  # KV cache budget; from free memory by default
     max_model_len: int | None = None  # context length; the model's by default

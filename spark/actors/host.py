@@ -47,7 +47,7 @@ def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], flo
     """The core a ``ServeConfig`` describes around ``engine``: its policy, limits and depth."""
     limits = Limits(max_prefill_tokens=config.max_prefill_tokens, tbt_deadline=config.tbt_deadline_ms / 1000.0)
     scheduler = Scheduler(engine.new_page_allocator(), make_policy(config.scheduler, limits),
-                          max_batch_size=config.max_batch_size)
+                          max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching)
     return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
                 faults=Faults.parse(config.faults))
 

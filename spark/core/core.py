@@ -38,6 +38,7 @@ class _Launched:
     chunks: tuple[Chunk, ...]
     at: float  # when it was launched
     error: str | None  # the launch raised
+    prompt_marks: tuple[tuple[Hashable, int, int], ...] = ()  # (seq, tokens computed after it, epoch): prefills
 
 
 class Core:
@@ -124,6 +125,8 @@ class Core:
             kv_pages_used=s.allocator.num_used, kv_pages_total=s.allocator.num_total,
             requests_running=len(s.running), requests_waiting=len(self._pending) + len(s.waiting),
             queue_times=tuple(self._queue_times), steps=tuple(self._steps),
+            prefix_cached_pages=s.allocator.num_cached, prefix_queried_tokens=s.prefix_queried,
+            prefix_hit_tokens=s.prefix_hit, prefix_evictions=s.allocator.evictions,
         )
         self._queue_times.clear()
         self._steps.clear()
@@ -140,7 +143,7 @@ class Core:
                 self._doomed.add(request_id)
             self._added.append(new)
             n = len(new.prompt_ids)
-            self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n))
+            self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids))
             events.append(Opened(request_id))
 
     def _launch_next(self) -> bool:
@@ -150,11 +153,15 @@ class Core:
         self._reset.extend(self.scheduler.preempted)
         if not chunks:
             return False
-        for c in chunks:
-            seq = self.scheduler.seq(c.seq_id)
-            if seq.started == now and c.num_tokens == seq.num_computed:  # its first chunk
-                self._queue_times.append(now - seq.arrival)
-        plan = StepPlan(tuple(chunks), tuple(self._added), tuple(self._removed), tuple(self._reset))
+        for seq_id in self.scheduler.started_now:  # their first chunk
+            self._queue_times.append(now - self.scheduler.seq(seq_id).arrival)
+        plan = StepPlan(tuple(chunks), tuple(self._added), tuple(self._removed), tuple(self._reset),
+                        tuple(self.scheduler.prefix_hits))
+        marks = ()
+        if self.scheduler.prefix_caching:
+            seqs = [self.scheduler.seq(c.seq_id) for c in chunks]
+            marks = tuple((s.request_id, s.num_computed, s.epoch)
+                          for s, c in zip(seqs, chunks) if s.num_computed - c.num_tokens < s.prompt_len)
         self._added, self._removed, self._reset = [], [], []
         at = self.clock()
         self._launches += 1
@@ -165,7 +172,7 @@ class Core:
             error = None
         except Exception as exc:
             error = step_failure(exc)
-        self._inflight.append(_Launched(plan.chunks, at, error))
+        self._inflight.append(_Launched(plan.chunks, at, error, marks))
         return True
 
     def _collect_oldest(self, events: list[Event]) -> None:
@@ -180,16 +187,21 @@ class Core:
         # The device time of a pipelined step: from when it could start (launched, and the
         # one before it done) to its end.
         seconds, self._last_done = done - max(step.at, self._last_done), done
-        self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events)
+        self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events, step.prompt_marks)
 
-    def _account(self, chunks: tuple[Chunk, ...], result: StepResult, now: float, events: list[Event]) -> None:
+    def _account(self, chunks: tuple[Chunk, ...], result: StepResult, now: float, events: list[Event],
+                 marks: tuple = ()) -> None:
         if result.error is not None:
+            self.scheduler.allocator.forget_cached()  # the pages this step was to fill hold no known prefix
             for c in chunks:
                 if c.seq_id in self._active:  # (an earlier failed step may have ended it)
                     self._end(c.seq_id)
                     events.append(Failed(c.seq_id, result.error))
             return
         self.scheduler.on_step_done(chunks, (o.seq_id for o in result.outputs), now, result.seconds)
+        for seq_id, computed, epoch in marks:
+            if seq_id in self._active:
+                self.scheduler.register_computed(seq_id, computed, epoch)
         self._observe(chunks, result)
         if self._doomed:  # only with faults configured: no pass over the outputs otherwise
             for doomed in [o.seq_id for o in result.outputs if o.seq_id in self._doomed]:

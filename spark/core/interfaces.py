@@ -40,13 +40,16 @@ class LoadedEngine(Protocol):
 
 def register(engine: "StepEngine", plan: StepPlan) -> None:
     """What a plan asks before its chunks: forget its ended sequences, reset its preempted ones,
-    register its new ones (every ``StepEngine.launch`` starts here)."""
+    register its new ones, start those with a cached prefix past it (every ``StepEngine.launch``
+    starts here)."""
     for seq_id in plan.removed:
         engine.remove_sequence(seq_id)
     for seq_id in plan.reset:
         engine.reset_computed(seq_id)
     for new in plan.added:
         engine.add_sequence(new.seq_id, new.prompt_ids, new.params)
+    for seq_id, num_tokens in plan.cached:
+        engine.reset_computed(seq_id, num_tokens)
 
 
 class StepEngine(LoadedEngine, Protocol):
@@ -63,7 +66,8 @@ class StepEngine(LoadedEngine, Protocol):
 
     def remove_sequence(self, seq_id: Hashable) -> None: ...
 
-    def reset_computed(self, seq_id: Hashable) -> None: ...
+    def reset_computed(self, seq_id: Hashable, to: int = 0) -> None:
+        """Compute ``seq_id`` from token ``to`` on: 0 after a preemption, a cached prefix's length."""
 
     def launch(self, plan: StepPlan) -> None: ...
 

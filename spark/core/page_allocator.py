@@ -1,14 +1,24 @@
-"""Pages of the KV cache: who holds which, and how many are left.
+"""Pages of the KV cache: who holds which, which full pages hold a known prefix, and how many are left.
 
 Pure Python, no torch: the scheduler asks first (``can_allocate``), then acts
 (``allocate`` / ``append``), and gives everything back with ``free``. Pages are
 reference-counted: ``share`` gives a new sequence pages others hold (a shared prompt
 prefix), and a page returns to the pool when its last holder frees it.
+
+Prefix caching: a full page whose tokens are known is registered under the hash of its
+tokens chained over the hashes of the pages before it (``cache``); a later sequence that
+starts with the same tokens maps those pages (``match`` then ``share_cached``) instead of
+computing them. A registered page whose last holder frees it stays cached, evictable: it
+counts as free, and is given out again (its content forgotten) least recently used first,
+only when no never-used page is left. A page some sequence holds is never evicted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 
 class OutOfPages(RuntimeError):
@@ -29,19 +39,28 @@ class PageAllocator:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_total = num_pages - 1  # usable pages (page 0 is the scratch page)
-        self._free: deque[int] = deque(range(1, num_pages))
+        self._free: deque[int] = deque(range(1, num_pages))  # never used, or their content forgotten
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by none: least recent first
         self._refcount = [0] * num_pages
         self._tables: dict[object, list[int]] = {}
+        self._page_of: dict[bytes, int] = {}  # prefix hash -> the page holding it
+        self._hash_of: dict[int, bytes] = {}
         self.peak_used = 0
+        self.evictions = 0  # cached pages given out again
 
     # -- counters ---------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_total - len(self._free)
+        return self.num_total - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages registered under a prefix hash (held or evictable)."""
+        return len(self._hash_of)
 
     @property
     def usage(self) -> float:
@@ -62,15 +81,15 @@ class PageAllocator:
 
     def can_allocate(self, seq_id, num_tokens: int) -> bool:
         """Whether ``seq_id`` (new or not) can grow to ``num_tokens`` tokens now."""
-        return self.pages_missing(seq_id, num_tokens) <= len(self._free)
+        return self.pages_missing(seq_id, num_tokens) <= self.num_free
 
     # -- act --------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> tuple[int, ...]:
         """Give a new sequence pages for ``num_tokens`` tokens. Returns its block table."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
-        if self.pages_for(num_tokens) > len(self._free):
-            raise OutOfPages(f"sequence {seq_id!r} needs {self.pages_for(num_tokens)} pages, {len(self._free)} free")
+        if self.pages_for(num_tokens) > self.num_free:
+            raise OutOfPages(f"sequence {seq_id!r} needs {self.pages_for(num_tokens)} pages, {self.num_free} free")
         self._tables[seq_id] = []
         return self.append(seq_id, num_tokens)
 
@@ -78,10 +97,10 @@ class PageAllocator:
         """Grow ``seq_id``'s pages to hold ``num_tokens`` tokens in all. Returns its block table."""
         table = self._tables[seq_id]
         missing = self.pages_for(num_tokens) - len(table)
-        if missing > len(self._free):
-            raise OutOfPages(f"sequence {seq_id!r} needs {missing} pages, {len(self._free)} free")
+        if missing > self.num_free:
+            raise OutOfPages(f"sequence {seq_id!r} needs {missing} pages, {self.num_free} free")
         for _ in range(missing):
-            page = self._free.popleft()
+            page = self._take()
             self._refcount[page] = 1
             table.append(page)
         self.peak_used = max(self.peak_used, self.num_used)
@@ -101,6 +120,56 @@ class PageAllocator:
         self._tables[seq_id] = pages
         return tuple(pages)
 
+    # -- prefix caching ---------------------------------------------------
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The pages of the longest run of ``hashes``, from the first, that is cached."""
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def share_cached(self, seq_id, pages: Sequence[int]) -> tuple[int, ...]:
+        """Give a new sequence the cached ``pages`` (from ``match``), held or evictable. Returns its table."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds pages")
+        for page in pages:
+            if page not in self._hash_of:
+                raise ValueError(f"page {page} is not cached")
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
+        self._tables[seq_id] = list(pages)
+        return tuple(pages)
+
+    def cache(self, seq_id, index: int, prefix_hash: bytes) -> None:
+        """Register page ``index`` of ``seq_id``'s table as holding the prefix ``prefix_hash`` (its
+        tokens are all known and their K/V computed, or being computed, by a step already launched).
+        A prefix cached already keeps its page."""
+        page = self._tables[seq_id][index]
+        if prefix_hash in self._page_of or page in self._hash_of:
+            return
+        self._page_of[prefix_hash] = page
+        self._hash_of[page] = prefix_hash
+
+    def forget_cached(self) -> None:
+        """Drop every prefix registration (a step failed: the K/V it was to write cannot be trusted)."""
+        self._page_of.clear()
+        self._hash_of.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+
+    def _take(self) -> int:
+        """A page for a new holder: a never-used one, else the least recently used cached one."""
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        del self._page_of[self._hash_of.pop(page)]
+        self.evictions += 1
+        return page
+
     def holders(self, page: int) -> int:
         """How many sequences hold ``page``."""
         return self._refcount[page]
@@ -114,9 +183,26 @@ class PageAllocator:
         for page in table:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                self._free.append(page)
+                if page in self._hash_of:
+                    self._evictable[page] = None  # the most recently used
+                else:
+                    self._free.append(page)
                 released += 1
         return released
 
     def block_table(self, seq_id) -> tuple[int, ...]:
         return tuple(self._tables[seq_id])
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, *, full_pages: int, start: Sequence[bytes] = ()
+                ) -> list[bytes]:
+    """The chained hashes of the first ``full_pages`` pages of ``token_ids``: each covers its page's
+    tokens and, through the hash before it, every token before them. ``start``: hashes known already
+    (of the first pages), extended rather than recomputed."""
+    hashes = list(start)
+    previous = hashes[-1] if hashes else b""
+    for i in range(len(hashes), full_pages):
+        tokens = array("q", token_ids[i * page_size:(i + 1) * page_size])
+        previous = hashlib.blake2b(previous + tokens.tobytes(), digest_size=16).digest()
+        hashes.append(previous)
+    return hashes

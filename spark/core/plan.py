@@ -44,12 +44,14 @@ class NewSequence:
 
 @attrs.frozen
 class StepPlan:
-    """One step: forget ``removed``, recompute ``reset`` from scratch, register ``added``, compute ``chunks``."""
+    """One step: forget ``removed``, recompute ``reset`` from scratch, register ``added``, start ``cached``
+    past their cached prefix, compute ``chunks``."""
 
     chunks: tuple[Chunk, ...]
     added: tuple[NewSequence, ...] = ()
     removed: tuple[Hashable, ...] = ()  # ended (finished, cancelled, failed)
     reset: tuple[Hashable, ...] = ()  # preempted: their pages are gone
+    cached: tuple[tuple[Hashable, int], ...] = ()  # (sequence, tokens): its first pages hold their K/V
 
 
 @attrs.frozen

@@ -6,6 +6,11 @@ decode order and that budget. KV pages come from the ``PageAllocator`` this obje
 owns: claimed when a prefill starts, grown as tokens come, released on every end.
 When a decode cannot get a page, the newest running sequence is preempted (its
 pages freed, its tokens recomputed later).
+
+With prefix caching, a prompt's full pages are registered in the allocator as their
+chunks are planned, and a sequence that starts (or restarts, after preemption) maps the
+longest cached run of its prompt's pages instead of computing them: ``prefix_hits`` tells
+the engine where its computing starts. At least one token is always computed, for the logits.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import TYPE_CHECKING, Hashable, Iterable
 
 import attrs
 
-from spark.core.page_allocator import PageAllocator
+from spark.core.page_allocator import PageAllocator, page_hashes
 from spark.core.plan import Chunk
 
 if TYPE_CHECKING:
@@ -33,16 +38,27 @@ class SeqState:
     prompt_len: int = 0
     last_token_time: float | None = None
     started: float | None = None  # when its first prefill chunk was scheduled
+    prompt_ids: tuple[int, ...] = ()  # for prefix caching (none: nothing to match or register)
+    cached_tokens: int = 0  # prompt tokens its first admission found cached
+    page_hashes: list[bytes] = attrs.field(factory=list)  # of its prompt's full pages, as far as computed
+    registered_pages: int = 0  # of its pages, the first ones registered in the prefix cache
+    epoch: int = 0  # bumped whenever it loses its pages: a step planned before cannot register them
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, policy: "Policy", *, max_batch_size: int = 64):
+    def __init__(self, allocator: PageAllocator, policy: "Policy", *, max_batch_size: int = 64,
+                 prefix_caching: bool = True):
         self.allocator = allocator
         self.policy = policy
         self.max_batch_size = max_batch_size
+        self.prefix_caching = prefix_caching
         self.waiting: deque[SeqState] = deque()  # admitted, prefill not finished (or preempted)
         self.running: list[SeqState] = []  # decoding
         self.preempted: list[Hashable] = []  # since the last schedule(): their cache must be recomputed
+        self.prefix_hits: list[tuple[Hashable, int]] = []  # since the last schedule(): (seq, tokens cached)
+        self.started_now: list[Hashable] = []  # since the last schedule(): first chunks
+        self.prefix_queried = 0  # prompt tokens looked up in the prefix cache, in all
+        self.prefix_hit = 0  # of those, found
         self._seqs: dict[Hashable, SeqState] = {}
 
     # -- membership -------------------------------------------------------
@@ -75,7 +91,7 @@ class Scheduler:
     # -- planning ---------------------------------------------------------
     def schedule(self, now: float) -> list[Chunk]:
         """The next step: decodes first (in the policy's order), then prefill chunks."""
-        self.preempted = []
+        self.preempted, self.prefix_hits, self.started_now = [], [], []
         plan: list[Chunk] = []
         planned: set[int] = set()
         for seq in self.policy.decode_order(self.running):
@@ -89,6 +105,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0:
                 break
+            if self.prefix_caching and seq.num_computed == 0 and not self.allocator.has(seq.request_id):
+                self._map_cached_prefix(seq)
             left = seq.num_tokens - seq.num_computed
             n = min(left, budget)
             target = seq.num_computed + n
@@ -100,6 +118,7 @@ class Scheduler:
             table = self._claim(seq, target)
             if seq.started is None:
                 seq.started = now
+                self.started_now.append(seq.request_id)
             plan.append(Chunk(seq.request_id, n, table))
             budget -= n
             if n < left:
@@ -149,11 +168,54 @@ class Scheduler:
         for seq in list(self.waiting)[1:]:
             if self.allocator.has(seq.request_id):
                 self.allocator.free(seq.request_id)
-                seq.num_computed = 0
+                seq.num_computed = seq.registered_pages = 0
+                seq.epoch += 1
                 released.append(seq.request_id)
         if self.allocator.can_allocate(head.request_id, head.num_computed + 1):
             return released, None
         return released, head
+
+    # -- prefix caching ---------------------------------------------------
+    def _map_cached_prefix(self, seq: SeqState) -> None:
+        """Map the longest cached run of ``seq``'s prompt pages, leaving at least one token to compute."""
+        size = self.allocator.page_size
+        full = min(len(seq.prompt_ids), seq.num_tokens - 1) // size
+        if full <= 0:
+            return
+        seq.page_hashes = page_hashes(seq.prompt_ids, size, full_pages=full, start=seq.page_hashes[:full])
+        pages = self.allocator.match(seq.page_hashes[:full])
+        first_time = seq.started is None
+        if first_time:
+            self.prefix_queried += full * size
+        if not pages:
+            return
+        self.allocator.share_cached(seq.request_id, pages)
+        seq.num_computed = seq.registered_pages = len(pages)
+        seq.num_computed *= size
+        self.prefix_hits.append((seq.request_id, seq.num_computed))
+        if first_time:
+            seq.cached_tokens = seq.num_computed
+            self.prefix_hit += seq.num_computed
+
+    def register_computed(self, request_id: Hashable, computed: int, epoch: int) -> None:
+        """A collected step computed ``request_id``'s first ``computed`` tokens (planned in ``epoch``):
+        register the prompt pages they fill. Only a collected step's: a planned chunk may be dropped
+        (its sequence ended meanwhile), and a page registered for it would hold no known prefix."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.epoch != epoch or not self.prefix_caching:
+            return
+        self._register_prompt_pages(seq, computed)
+
+    def _register_prompt_pages(self, seq: SeqState, target: int) -> None:
+        """Register the prompt pages filled up to ``target`` tokens."""
+        size = self.allocator.page_size
+        full = min(target, len(seq.prompt_ids)) // size
+        if full <= seq.registered_pages:
+            return
+        seq.page_hashes = page_hashes(seq.prompt_ids, size, full_pages=full, start=seq.page_hashes[:full])
+        for i in range(seq.registered_pages, full):
+            self.allocator.cache(seq.request_id, i, seq.page_hashes[i])
+        seq.registered_pages = full
 
     # -- helpers ----------------------------------------------------------
     def _tokens_that_fit(self, seq: SeqState) -> int:
@@ -182,6 +244,7 @@ class Scheduler:
     def _preempt(self, seq: SeqState) -> None:
         self.allocator.free(seq.request_id)
         self.running.remove(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.registered_pages = 0
+        seq.epoch += 1
         self.waiting.appendleft(seq)
         self.preempted.append(seq.request_id)

@@ -194,10 +194,11 @@ class Engine:
         if seq_id in self._seqs:
             self._forget(seq_id)
 
-    def reset_computed(self, seq_id: Hashable) -> None:
-        """The sequence lost its pages (preempted): recompute all its tokens from the next step on."""
+    def reset_computed(self, seq_id: Hashable, to: int = 0) -> None:
+        """Compute the sequence from token ``to`` on, from the next step: 0 when it lost its pages
+        (preempted), a cached prefix's length when its first pages hold that prefix's K/V already."""
         if seq_id in self._seqs:
-            self._seqs[seq_id].num_computed = 0
+            self._seqs[seq_id].num_computed = to
 
     def num_uncomputed(self, seq_id: Hashable) -> int:
         """Tokens of ``seq_id`` a plan may still compute (the prompt left, or 1 when decoding)."""

@@ -56,7 +56,11 @@ class _Sequence:
     params: SamplingParams
     output_ids: list[int] = attrs.Factory(list)
     num_computed: int = 0
-    table: tuple[int, ...] = ()  # the block table its computed tokens live in
+    table: tuple[int, ...] | None = ()  # the block table its computed tokens live in; None: a cached prefix's
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +105,8 @@ class EngineDouble:
         self.sequences: dict[Hashable, _Sequence] = {}
         self.ended: set[Hashable] = set()  # finished or removed: a pipelined plan may still name them
         self._page_owner: dict[int, Hashable] = {}  # page -> the sequence that last wrote it
+        self._page_tokens: dict[int, tuple[int, ...]] = {}  # page -> the tokens whose K/V it holds
+        self.prefix_hits = 0  # tokens whose computing a cached prefix saved
         self._launched: deque[list[TokenOutput]] = deque()
 
     def new_page_allocator(self) -> PageAllocator:
@@ -123,11 +129,12 @@ class EngineDouble:
         if self.sequences.pop(seq_id, None) is not None:
             self.ended.add(seq_id)
 
-    def reset_computed(self, seq_id: Hashable) -> None:
+    def reset_computed(self, seq_id: Hashable, to: int = 0) -> None:
         if seq_id in self.ended:
             return  # it ended at the step before this one was planned
         s = self.sequences[seq_id]
-        s.num_computed, s.table = 0, ()
+        s.num_computed, s.table = to, (() if to == 0 else None)  # None: the next chunk's table holds them
+        self.prefix_hits += to
 
     def num_uncomputed(self, seq_id: Hashable) -> int:
         s = self.sequences[seq_id]
@@ -180,8 +187,11 @@ class EngineDouble:
         for chunk in plan.chunks:
             s = self.sequences[chunk.seq_id]
             start, end = s.num_computed, s.num_computed + chunk.num_tokens
-            for page in chunk.block_table[start // self.page_size: self.pages_for(end)]:
+            tokens = s.tokens
+            for i in range(start // self.page_size, self.pages_for(end)):
+                page = chunk.block_table[i]
                 self._page_owner[page] = chunk.seq_id
+                self._page_tokens[page] = tuple(tokens[i * self.page_size: min((i + 1) * self.page_size, end)])
             s.num_computed, s.table = end, chunk.block_table
             if end == s.num_tokens:
                 outputs.append(self._sample(chunk.seq_id, s))
@@ -207,7 +217,14 @@ class EngineDouble:
         if len(set(table)) != len(table):
             raise PlanError(f"block table of {chunk.seq_id!r} repeats a page: {table}")
         kept = self.pages_for(start)
-        if table[:kept] != s.table[:kept]:
+        if s.table is None:  # its first `start` tokens are a cached prefix: those pages must hold exactly them
+            tokens = s.tokens
+            for i in range(start // self.page_size):
+                want = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+                if self._page_tokens.get(table[i]) != want:
+                    raise PlanError(f"{chunk.seq_id!r} maps page {table[i]} as its cached tokens "
+                                    f"{i * self.page_size}.., but it holds others")
+        elif table[:kept] != s.table[:kept]:
             raise PlanError(f"{chunk.seq_id!r} moved pages holding computed tokens: {s.table[:kept]} -> {table[:kept]}")
         for page in table[start // self.page_size: self.pages_for(end)]:
             owner = self._page_owner.get(page, chunk.seq_id)
@@ -216,7 +233,7 @@ class EngineDouble:
 
     def _holds(self, seq_id: Hashable, page: int) -> bool:
         s = self.sequences.get(seq_id)
-        return s is not None and page in s.table[: self.pages_for(s.num_computed)]
+        return s is not None and s.table is not None and page in s.table[: self.pages_for(s.num_computed)]
 
     def _sample(self, seq_id: Hashable, s: _Sequence) -> TokenOutput:
         script = self.scripts.get(seq_id)

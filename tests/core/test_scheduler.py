@@ -35,11 +35,14 @@ class WatchedScheduler(Scheduler):
         return plan
 
 
-def make_scheduler(policy="fifo", *, num_pages=1024, page_size=16, max_batch_size=64, **limits):
+def make_scheduler(policy="fifo", *, num_pages=1024, page_size=16, max_batch_size=64, prefix_caching=False,
+                   **limits):
+    """Prefix caching is off by default here: these tests' prompts are all one token repeated, and what
+    they count (steps, tokens computed, preemptions) is what the cache would change."""
     from spark.core.page_allocator import PageAllocator
 
     return WatchedScheduler(PageAllocator(num_pages, page_size), make_policy(policy, Limits(**limits)),
-                            max_batch_size=max_batch_size)
+                            max_batch_size=max_batch_size, prefix_caching=prefix_caching)
 
 
 def make(policy="fifo", *, num_pages=1024, page_size=16, depth=1, **kwargs):
