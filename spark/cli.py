@@ -95,6 +95,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                      help="this server's activity log, usage counters and stored responses (default: "
                           "~/.local/state/spark/<port>/ for the log and counters, ~/.local/share/spark/ for responses)")
     srv.add_argument("--access-log", action="store_true", help="print one line per HTTP request to stdout")
+    srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+                     help="compute every prompt in full (default: reuse the cached pages of a prompt's known prefix)")
 
     chat = sub.add_parser("chat", help="talk to a model in the terminal")
     chat.add_argument("--url", default=None, help="a running Spark server (default: start the default model here)")
@@ -174,6 +176,7 @@ def _serve(args) -> int:
         **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,
+        prefix_caching=args.prefix_caching,
     )
     serve(config, access_log=args.access_log)
     return 0

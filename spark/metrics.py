@@ -62,6 +62,14 @@ class Metrics:
             "spark_decode_graphs_captured", "Decode batch sizes whose CUDA graph is captured", registry=r)
         self.decode_graphs_planned = Gauge(
             "spark_decode_graphs_planned", "Decode batch sizes the engine captures CUDA graphs for", registry=r)
+        self.prefix_cached_pages = Gauge(
+            "spark_prefix_cache_pages", "KV pages holding a known prompt prefix, held or evictable", registry=r)
+        self.prefix_queried_tokens = Counter(
+            "spark_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "spark_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed)", registry=r)
+        self.prefix_evictions = Counter(
+            "spark_prefix_cache_evictions", "Cached pages given out again for other tokens", registry=r)
         self.prompt_tokens = Counter("spark_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("spark_generation_tokens", "Tokens generated", registry=r)
         # What each engine step held and took: the shape of the batches explains throughput.

@@ -310,6 +310,10 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
     metrics.kv_pages_total.set(core.kv_pages_total)
     metrics.requests_running.set(core.requests_running)
     metrics.requests_waiting.set(core.requests_waiting + queued_here)
+    metrics.prefix_cached_pages.set(core.prefix_cached_pages)
+    metrics.prefix_queried_tokens.inc(core.prefix_queried_tokens)
+    metrics.prefix_hit_tokens.inc(core.prefix_hit_tokens)
+    metrics.prefix_evictions.inc(core.prefix_evictions)
     now = trio.current_time()
     for seconds in core.queue_times:
         metrics.queue_time.observe(seconds)
@@ -321,3 +325,4 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
     if core.graphs is not None:
         metrics.decode_graphs_captured.set(core.graphs[0])
         metrics.decode_graphs_planned.set(core.graphs[1])
+

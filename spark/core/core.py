@@ -70,6 +70,7 @@ class Core:
         self._last_done = clock()
         self._queue_times: list[float] = []
         self._steps: list[StepShape] = []
+        self._reported = (0, 0, 0)  # prefix cache totals at the last metrics snapshot
 
     # -- requests ---------------------------------------------------------
     def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None) -> None:
@@ -121,12 +122,15 @@ class Core:
     def metrics(self) -> CoreMetrics:
         """The gauges now, and the observations since the last call (which are then forgotten)."""
         s = self.scheduler
+        totals = (s.prefix_queried, s.prefix_hit, s.allocator.evictions)
+        queried, hit, evicted = (now - before for now, before in zip(totals, self._reported))
+        self._reported = totals
         snapshot = CoreMetrics(
             kv_pages_used=s.allocator.num_used, kv_pages_total=s.allocator.num_total,
             requests_running=len(s.running), requests_waiting=len(self._pending) + len(s.waiting),
             queue_times=tuple(self._queue_times), steps=tuple(self._steps),
-            prefix_cached_pages=s.allocator.num_cached, prefix_queried_tokens=s.prefix_queried,
-            prefix_hit_tokens=s.prefix_hit, prefix_evictions=s.allocator.evictions,
+            prefix_cached_pages=s.allocator.num_cached, prefix_queried_tokens=queried, prefix_hit_tokens=hit,
+            prefix_evictions=evicted,
         )
         self._queue_times.clear()
         self._steps.clear()

@@ -60,6 +60,6 @@ class CoreMetrics:
     steps: tuple[StepShape, ...] = ()
     graphs: tuple[int, int] | None = None  # (decode graphs captured, planned), set by a host that captures
     prefix_cached_pages: int = 0  # pages holding a known prefix, held or evictable
-    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since the last snapshot
     prefix_hit_tokens: int = 0  # of those, found cached
-    prefix_evictions: int = 0  # cached pages given out again, since the start
+    prefix_evictions: int = 0  # cached pages given out again, since the last snapshot

@@ -117,3 +117,19 @@ def test_asyncio_worker_fails_at_start_up_with_one_line(tmp_path):
     # The process ends by itself (hypercorn's master reports exit status 0 whatever its worker's).
     assert proc.stderr.strip() == NEEDS_TRIO, proc.stderr
     assert "-k trio" in NEEDS_TRIO
+
+
+def test_the_prefix_cache_shows_in_metrics(server):
+    prompt = "The harbour town woke slowly: fishermen mended nets, gulls argued over scraps, and the bakers " * 2
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    with server.http() as http:
+        assert http.post("/v1/completions", json=body).status_code == 200  # computes, and caches, its pages
+        hits = _metric(http, "spark_prefix_cache_hit_tokens_total")
+        queried = _metric(http, "spark_prefix_cache_queried_tokens_total")
+        assert http.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 2  # the gauges follow the core's turns (another thread)
+        while _metric(http, "spark_prefix_cache_hit_tokens_total") == hits and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _metric(http, "spark_prefix_cache_hit_tokens_total") - hits >= 16  # a page at least
+        assert _metric(http, "spark_prefix_cache_queried_tokens_total") > queried
+        assert _metric(http, "spark_prefix_cache_pages") > 0
