@@ -6,7 +6,7 @@ file (``SPARK_STATE_PATH``): ``POST /v1/responses`` with ``store: true`` and a t
 (each client appends to the conversations it created, in every round). After each acknowledged
 (200) write the client reads the object back (``GET /v1/responses/{id}``; ``GET /v1/conversations/{id}``
 and every page of its items) and keeps the raw bodies. At a random moment (once ``--min-acked``
-writes are acknowledged, then ``--max-kill-s`` at most; every ``--aim-every``-th round instead 0-10 ms
+writes are acknowledged, then ``--max-kill-s`` at most; every ``--aim-every``-th round instead 0-3 ms
 after an items write went out, so that one is in flight) the server's whole session gets SIGKILL;
 it restarts on the same state file and every object is read again. ``--rounds`` kill rounds; each
 restart checks everything of every earlier round.
@@ -211,7 +211,7 @@ def main() -> int:
     parser.add_argument("--min-acked", type=int, default=20, help="writes acknowledged in a round before the kill")
     parser.add_argument("--max-kill-s", type=float, default=8.0, help="then the kill comes after up to this long")
     parser.add_argument("--aim-every", type=int, default=3,
-                        help="every this many rounds, the kill comes 0-10 ms after an items write is sent (0: never)")
+                        help="every this many rounds, the kill comes 0-3 ms after an items write is sent (0: never)")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
@@ -236,7 +236,7 @@ def main() -> int:
                 ledger.aim.set()
                 ledger.aimed.wait(timeout=60)
                 ledger.aim.clear()
-                time.sleep(rng.uniform(0, 0.01))
+                time.sleep(rng.uniform(0, 0.003))
             else:
                 time.sleep(rng.uniform(0, args.max_kill_s))
             server.kill()  # SIGKILL, mid-loop
