@@ -29,7 +29,7 @@ import trio
 from spark.actors.channels import take_waiting
 from spark.actors.messages import Admit, Cancel, Out, StreamOpen, Submission
 from spark.core.core import DEFAULT_DEPTH, Core
-from spark.core.events import CoreMetrics, Opened, TokenBatch
+from spark.core.events import CoreMetrics, Opened, PrefixHit, TokenBatch
 from spark.core.faults import Faults
 from spark.core.interfaces import StepEngine
 from spark.core.policies import Limits, make_policy
@@ -295,6 +295,9 @@ class _Link:
                     if token.finish_reason is not None:
                         self._ended(token.seq_id)
                 event = TokenBatch(event.outputs, now)  # this clock, as the streamer's latencies are
+            elif isinstance(event, PrefixHit):
+                if event.request_id not in self._running:
+                    continue
             else:
                 self._ended(event.request_id)
             try:

@@ -62,6 +62,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, this piece included
     error: str | None = None  # why the request failed, when finish_reason == "error"
+    num_cached_tokens: int = 0  # of the prompt's tokens, those found in the prefix cache (not computed)
 
     @classmethod
     def merge(cls, pieces: Sequence[RequestOutput]) -> RequestOutput:
@@ -83,7 +84,7 @@ class RequestOutput:
             last.request_id, "".join([p.text for p in pieces]), tuple(chain.from_iterable(p.token_ids for p in pieces)),
             tuple(chain.from_iterable(p.logprobs for p in pieces)), finish_reason=last.finish_reason,
             stop_string=last.stop_string, num_prompt_tokens=max(p.num_prompt_tokens for p in pieces),
-            num_output_tokens=last.num_output_tokens, error=last.error,
+            num_output_tokens=last.num_output_tokens, error=last.error, num_cached_tokens=last.num_cached_tokens,
         )
 
 

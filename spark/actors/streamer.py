@@ -16,7 +16,7 @@ import trio
 
 from spark.actors.channels import take_waiting
 from spark.actors.messages import Cancel, RequestOutput, StreamOpen, Submission, TokenLogprob
-from spark.core.events import Failed, TokenBatch
+from spark.core.events import Failed, PrefixHit, TokenBatch
 from spark.core.plan import TokenOutput
 from spark.engine.detokenizer import IncrementalDetokenizer
 from spark.metrics import Metrics
@@ -64,6 +64,7 @@ class _Stream:
     stop: StopMatcher
     num_output: int = 0
     last_time: float | None = None
+    num_cached: int = 0  # prompt tokens its prefill found cached
 
 
 async def run(
@@ -94,6 +95,9 @@ async def run(
                     detok = IncrementalDetokenizer(tokenizer, req.prompt_ids,
                                                    skip_special_tokens=req.skip_special_tokens) if tokenizer else None
                     streams[req.request_id] = _Stream(msg.submission, detok, StopMatcher(req.stop))
+                elif isinstance(msg, PrefixHit):
+                    if msg.request_id in streams:
+                        streams[msg.request_id].num_cached = msg.cached_tokens
                 elif isinstance(msg, Failed):
                     _on_failed(streams, msg)
 
@@ -122,6 +126,7 @@ def _on_failed(streams: dict[str, _Stream], msg: Failed) -> None:
             msg.request_id, text, (), finish_reason=msg.reason,
             error=msg.error if msg.reason == "error" else None,
             num_prompt_tokens=len(stream.submission.request.prompt_ids), num_output_tokens=stream.num_output,
+            num_cached_tokens=stream.num_cached,
         ), close=True)
 
 
@@ -150,7 +155,7 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
         ),)
     piece = RequestOutput(
         req.request_id, text, (out.token_id,), logprobs, finish_reason=finish, stop_string=stop,
-        num_prompt_tokens=len(req.prompt_ids), num_output_tokens=stream.num_output,
+        num_prompt_tokens=len(req.prompt_ids), num_output_tokens=stream.num_output, num_cached_tokens=stream.num_cached,
     )
     if finish is not None:
         metrics.e2e_request_latency.observe(now - sub.arrival)

@@ -21,7 +21,7 @@ from typing import Callable, Hashable, Sequence
 
 import attrs
 
-from spark.core.events import CoreMetrics, Event, Failed, Opened, StepShape, TokenBatch
+from spark.core.events import CoreMetrics, Event, Failed, Opened, PrefixHit, StepShape, TokenBatch
 from spark.core.faults import Faults, InjectedFault
 from spark.core.interfaces import StepEngine
 from spark.core.plan import Chunk, NewSequence, StepPlan, StepResult
@@ -102,7 +102,7 @@ class Core:
         self._admit(events)
         launched = False
         while len(self._inflight) < self.depth:
-            if not self._launch_next():
+            if not self._launch_next(events):
                 break
             launched = True
         if self._inflight and (len(self._inflight) >= self.depth or not launched):
@@ -150,7 +150,7 @@ class Core:
             self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids))
             events.append(Opened(request_id))
 
-    def _launch_next(self) -> bool:
+    def _launch_next(self, events: list[Event]) -> bool:
         """Plan one step and launch it; False when there is nothing to plan."""
         now = self.clock()
         chunks = self.scheduler.schedule(now)
@@ -158,7 +158,10 @@ class Core:
         if not chunks:
             return False
         for seq_id in self.scheduler.started_now:  # their first chunk
-            self._queue_times.append(now - self.scheduler.seq(seq_id).arrival)
+            seq = self.scheduler.seq(seq_id)
+            self._queue_times.append(now - seq.arrival)
+            if seq.cached_tokens:
+                events.append(PrefixHit(seq_id, seq.cached_tokens))
         plan = StepPlan(tuple(chunks), tuple(self._added), tuple(self._removed), tuple(self._reset),
                         tuple(self.scheduler.prefix_hits))
         marks = ()

@@ -20,6 +20,14 @@ class Opened:
 
 
 @attrs.frozen
+class PrefixHit:
+    """The request's first prefill started past ``cached_tokens`` prompt tokens found in the prefix cache."""
+
+    request_id: Hashable
+    cached_tokens: int
+
+
+@attrs.frozen
 class TokenBatch:
     """The tokens one step sampled, and when (the clock of whoever reads them)."""
 
@@ -36,7 +44,7 @@ class Failed:
     reason: str = "error"  # the finish_reason the client sees: "error" or "length"
 
 
-Event = Opened | TokenBatch | Failed
+Event = Opened | PrefixHit | TokenBatch | Failed
 
 
 @attrs.frozen

@@ -246,7 +246,7 @@ async def create_message(serving: Serving):
     if done.error is not None:
         raise done.error
     return spine.answer({**head, "content": content_blocks(done), **stop_fields(done),
-                         "usage": {"input_tokens": len(prompt), "output_tokens": done.usage.completion_tokens}}, stage)
+                         "usage": message_usage(len(prompt), done.usage)}, stage)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -328,6 +328,13 @@ class BlockStream:
         return sse("content_block_delta", {"index": self.index, "delta": delta})
 
 
+def message_usage(prompt_tokens: int, used) -> dict:
+    """Anthropic's usage: the input tokens read from the (prefix) cache are counted apart from the others."""
+    cached = min(used.cached_tokens, prompt_tokens)
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": used.completion_tokens}
+
+
 async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnParser):
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
     yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
@@ -345,7 +352,7 @@ async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnPars
                     yield sse("error", anthropic_error(event.error.status, event.error.message))
                     return
                 yield b"".join(blocks.close()) + sse("message_delta", {
-                    "delta": stop_fields(event), "usage": {**usage, "output_tokens": event.usage.completion_tokens}}) \
+                    "delta": stop_fields(event), "usage": message_usage(prompt_tokens, event.usage)}) \
                     + sse("message_stop", {})
     except Exception as exc:  # the server failed mid-stream: say so rather than cut the stream
         log.exception("message %s failed", head["id"])

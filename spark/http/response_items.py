@@ -276,8 +276,8 @@ class OutputBuilder:
         return out
 
 
-def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0) -> dict:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 

@@ -223,7 +223,8 @@ class _Run:
                     self.final = {**self.head, "status": "incomplete" if incomplete else "completed",
                                   "output": builder.output, "usage": usage(
                                       self.prompt_tokens, event.usage.completion_tokens,
-                                      self._reasoning_tokens(builder.output, event.usage.completion_tokens)),
+                                      self._reasoning_tokens(builder.output, event.usage.completion_tokens),
+                                      event.usage.cached_tokens),
                                   "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                                   "completed_at": round(time.time(), 3)}
                     await self._save()

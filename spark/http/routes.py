@@ -93,7 +93,8 @@ async def chat_completions(serving: Serving):
     choices = [fmt.chat_choice(i, fmt.chat_message(done.result, reasoning=parsers[i].reasoning), done.finish_reason,
                                logprobs[i]) for i, done in enumerate(dones)]
     return spine.answer({**head, "object": "chat.completion", "choices": choices,
-                         "usage": fmt.usage(job.prompt_tokens, sum(d.usage.completion_tokens for d in dones))}, stage)
+                         "usage": fmt.usage(job.prompt_tokens, sum(d.usage.completion_tokens for d in dones),
+                                            max(d.usage.cached_tokens for d in dones))}, stage)
 
 
 def _chat_inputs(req: ChatRequest, limits, max_tokens: int | None) -> tuple:
@@ -116,12 +117,12 @@ async def completions(serving: Serving):
     fanin = await spine.submit(serving, job)
     if job.stream:
         return spine.sse(_completion_events(head, job, fanin))
-    texts, logprobs, reasons, completion_tokens = await _collect(job, fanin)
+    texts, logprobs, reasons, completion_tokens, cached = await _collect(job, fanin)
     choices = [fmt.completion_choice(i, texts[i], reasons[i],
                                      None if logprobs[i] is None else fmt.completion_logprobs(logprobs[i]))
                for i in range(len(texts))]
     return {**head, "object": "text_completion", "choices": choices,
-            "usage": fmt.usage(job.prompt_tokens, completion_tokens)}
+            "usage": fmt.usage(job.prompt_tokens, completion_tokens, cached)}
 
 
 # -- generation ---------------------------------------------------------------------
@@ -144,7 +145,7 @@ async def _collect(job: Job, fanin: FanIn):
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs = [[] if r.params.logprobs is not None else None for r in job.requests]
     reasons: list[str | None] = [None] * n
-    completion_tokens = 0
+    completion_tokens = cached = 0
     try:
         async with aclosing(_text_pieces(fanin)) as pieces:
             async for i, piece in pieces:
@@ -154,9 +155,10 @@ async def _collect(job: Job, fanin: FanIn):
                 if piece.finish_reason is not None:
                     reasons[i] = piece.finish_reason
                     completion_tokens += piece.num_output_tokens
+                    cached = max(cached, piece.num_cached_tokens)  # (choices of one prompt: the best hit)
     finally:
         fanin.close()
-    return ["".join(t) for t in texts], logprobs, reasons, completion_tokens
+    return ["".join(t) for t in texts], logprobs, reasons, completion_tokens, cached
 
 
 async def _collect_turns(job: Job, fanin: FanIn, parsers: list[TurnParser]):
@@ -188,7 +190,7 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
     """
     if job.include_usage:
         head = {**head, "usage": None}  # as OpenAI: every chunk has the key, only the last a value
-    completion_tokens, ended = 0, 0
+    completion_tokens, ended, cached = 0, 0, 0
     text_chunks = {(i, kind): fmt.sse_template(fmt.chat_chunk(head, i, fmt.chat_delta(kind(fmt.SLOT))))
                    for i in range(len(job.requests)) for kind in (ContentDelta, ReasoningDelta)}
     out: list[bytes] = []
@@ -213,6 +215,7 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
                                                           logprobs=logprobs if k == 0 else None)))
                 if done is not None:
                     completion_tokens += done.usage.completion_tokens
+                    cached = max(cached, done.usage.cached_tokens)
                     ended += 1
                     out.append(fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=done.finish_reason)))
                 if out and ended < len(parsers):
@@ -220,7 +223,7 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
                     out.clear()
         if job.include_usage:
             out.append(fmt.sse({**head, "object": "chat.completion.chunk", "choices": [],
-                                "usage": fmt.usage(job.prompt_tokens, completion_tokens)}))
+                                "usage": fmt.usage(job.prompt_tokens, completion_tokens, cached)}))
         yield b"".join(out) + fmt.SSE_DONE
     finally:
         fanin.close()
@@ -232,7 +235,7 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterato
     offsets = [0] * len(job.requests)  # text_offset of each choice's next token
     text_chunks = [fmt.sse_template({**head, "choices": [fmt.completion_choice(i, fmt.SLOT, None, None)]})
                    for i in range(len(job.requests))]
-    completion_tokens, ended = 0, 0
+    completion_tokens, ended, cached = 0, 0, 0
     out: list[bytes] = []
     try:
         async with aclosing(_text_pieces(fanin)) as pieces:
@@ -247,6 +250,7 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterato
                     out.append(text_chunks[i](piece.text))
                 if piece.finish_reason is not None:
                     completion_tokens += piece.num_output_tokens
+                    cached = max(cached, piece.num_cached_tokens)
                     ended += 1
                     out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, "", piece.finish_reason,
                                                                                    None)]}))
@@ -254,7 +258,8 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterato
                     yield b"".join(out)
                     out.clear()
         if job.include_usage:
-            out.append(fmt.sse({**head, "choices": [], "usage": fmt.usage(job.prompt_tokens, completion_tokens)}))
+            out.append(fmt.sse({**head, "choices": [], "usage": fmt.usage(job.prompt_tokens, completion_tokens,
+                                                                          cached)}))
         yield b"".join(out) + fmt.SSE_DONE
     except ApiError as exc:  # a choice failed: its text so far, then the error, and the stream's end
         yield b"".join(out) + fmt.sse(exc.body()) + fmt.SSE_DONE

@@ -73,6 +73,7 @@ TOOL_CHOICE_NOT_SATISFIED = "tool_choice_not_satisfied"
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, found in the prefix cache
 
 
 @attrs.frozen
@@ -184,7 +185,7 @@ class TurnParser:
             reason = "error"
         elif result.tool_calls and reason == "stop":
             reason = "tool_calls"
-        self._done = TurnDone(result, reason or "stop", Usage(piece.num_prompt_tokens, piece.num_output_tokens),
+        self._done = TurnDone(result, reason or "stop", Usage(piece.num_prompt_tokens, piece.num_output_tokens, piece.num_cached_tokens),
                               piece.stop_string, error)
         return self._done
 

@@ -224,7 +224,8 @@ def test_anthropic_messages_compact_tool_results(server):
                                    messages=[{"role": "user", "content": _words(1100, "x")}])
     assert raw.headers["X-Spark-Compaction"] in ("truncate_tool_results", "tool_result_pointers")
     assert m.model_extra["spark_compaction"] == raw.headers["X-Spark-Compaction"]
-    assert m.usage.input_tokens + 8 <= MAX_MODEL_LEN and m.usage.input_tokens == counted.input_tokens
+    prompt_tokens = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert prompt_tokens + 8 <= MAX_MODEL_LEN and prompt_tokens == counted.input_tokens
     assert info.value.body["type"] == "error" and "even after compaction" in info.value.body["error"]["message"]
 
 
