@@ -16,7 +16,7 @@ import hmac
 
 import attrs
 import trio
-from quart import Blueprint, current_app, g, request
+from quart import Blueprint, current_app, request
 
 from spark.control.slot import Refusal, Slot
 from spark.http.errors import ApiError
@@ -50,11 +50,7 @@ def _slot() -> Slot:
 
 @bp.before_request
 async def _authorize() -> None:
-    try:
-        _check_admin_key()
-    except ApiError:
-        g.body_unread = True  # refused before the body was read: the connection must not be reused
-        raise
+    _check_admin_key()  # refused before the body is read: _Connection decides whether the connection stays
 
 
 def _check_admin_key() -> None:

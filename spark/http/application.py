@@ -172,7 +172,6 @@ def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None
     app.before_serving(functools.partial(_start, app, state))
     app.after_serving(functools.partial(_stop, state))
     app.before_request(functools.partial(_authenticate, state))
-    app.after_request(_close_if_body_unread)
     gateway.install(app)
     app.register_blueprint(routes.bp)
     app.register_blueprint(admin.bp)
@@ -256,14 +255,6 @@ async def _stop(state: SparkState) -> None:
     await state.stopped.wait()  # bounded: quart gave the nursery a deadline of SHUTDOWN_GRACE_S
 
 
-async def _close_if_body_unread(response):
-    # A request refused before its body was read leaves that body on the wire; a
-    # client reusing the connection would then wait on a reply that never comes.
-    if g.get("body_unread") and request.method in ("POST", "PUT", "PATCH"):
-        response.headers["Connection"] = "close"
-    return response
-
-
 async def _authenticate(state: SparkState) -> None:
     g.api_key = None
     keys = state.config.api_keys if state.config is not None else ()
@@ -273,8 +264,9 @@ async def _authenticate(state: SparkState) -> None:
     if request.path.startswith(anthropic.PREFIX) and request.headers.get("x-api-key", "").strip():
         scheme, token = "bearer", request.headers["x-api-key"]  # Anthropic's clients send their key so
     ring = keyring(tuple(keys))
-    if scheme.lower() != "bearer" or not token.strip() or token.strip() not in ring:
-        g.body_unread = True  # refused before the body was read: the connection must not be reused
+    # A refusal here is answered before the body is read: _Connection closes the connection when that
+    # body has not arrived yet, and keeps it when it came with the headers (a flood of bad keys then
+    # costs no reconnects).
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>`"
                        + (" or `x-api-key: <key>`" if request.path.startswith(anthropic.PREFIX) else ""),

@@ -123,7 +123,6 @@ def test_api_key_is_required_on_v1_only(server):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
             r = http.post(CHAT, json=_chat(), headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-            assert r.headers.get("connection") == "close"  # its body was never read: no reuse
         assert http.get("/v1/models").status_code == 401
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 200

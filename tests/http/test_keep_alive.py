@@ -60,7 +60,7 @@ def test_answer_before_the_body_closes_the_connection(server, line, headers, sta
         assert fuzzing.closes(sock), "said Connection: close, but the socket stayed open"
 
 
-@pytest.mark.parametrize("line,headers,status", EARLY_ANSWERS[:4], ids=[e[0].decode() for e in EARLY_ANSWERS[:4]])
+@pytest.mark.parametrize("line,headers,status", EARLY_ANSWERS, ids=[e[0].decode() + f" {e[2]}" for e in EARLY_ANSWERS])
 def test_answer_after_the_body_keeps_the_connection(server, line, headers, status):
     with _connect(server.url) as sock:
         sock.sendall(_head(line, headers) + BODY)  # all at once: the body is there, if not read
