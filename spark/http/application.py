@@ -209,6 +209,8 @@ async def _open(app: QuartTrio, state: SparkState) -> None:
     catalog, initial = catalog_for(config)
     for problem in catalog.problems:
         log.warning("recipe skipped: %s", problem)
+    if (config.rate_limit_rps or config.rate_limit_tpm) and not config.api_keys:
+        log.warning("rate limits count per API key: with no --api-key (SPARK_API_KEYS) they limit nothing")
     activity = None
     if config.activity_log_path:
         activity = ActivityLog(config.activity_log_path, max_bytes=config.activity_log_max_bytes,
