@@ -39,7 +39,10 @@ class PageAllocator:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_total = num_pages - 1  # usable pages (page 0 is the scratch page)
-        self._free: deque[int] = deque(range(1, num_pages))  # never used, or their content forgotten
+        # Never used, or their content forgotten; the last freed is given out first, so that a pool
+        # whose memory is committed as it is first written (a CPU engine's) grows only as far as the
+        # most pages held at once, not to every page in turn.
+        self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by none: least recent first
         self._refcount = [0] * num_pages
         self._tables: dict[object, list[int]] = {}
@@ -164,7 +167,7 @@ class PageAllocator:
     def _take(self) -> int:
         """A page for a new holder: a never-used one, else the least recently used cached one."""
         if self._free:
-            return self._free.popleft()
+            return self._free.pop()  # the most recently freed: a host's memory stays as small as it was
         page, _ = self._evictable.popitem(last=False)
         del self._page_of[self._hash_of.pop(page)]
         self.evictions += 1
