@@ -34,6 +34,7 @@ class Scheduler:
     policy: str | None = None  # a name in spark.core.policies.POLICIES; None: the server's
     max_batch_size: int | None = None
     max_prefill_tokens: int | None = None
+    prefix_caching: bool | None = None  # reuse cached prompt pages; None: the server's (on by default)
 
 
 @attrs.frozen

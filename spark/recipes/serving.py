@@ -43,6 +43,8 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
         "max_prefill_tokens": sched.max_prefill_tokens or base.max_prefill_tokens,
         "default_max_tokens": recipe.sampling.max_tokens or base.default_max_tokens,
     }
+    if sched.prefix_caching is not None:
+        changes["prefix_caching"] = sched.prefix_caching
     if parsers.tool_call is not None:
         changes["tool_call_parser"] = parsers.tool_call
     if parsers.reasoning is not None:

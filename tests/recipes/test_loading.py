@@ -101,3 +101,15 @@ def test_recipe_check_command(malformed_dir, tmp_path, capsys):
     assert main(["recipe", "check"]) == 0  # the shipped recipes
     assert main(["recipe", "check", "--recipes", str(tmp_path / "nowhere")]) == 1
     assert "no such recipes directory" in capsys.readouterr().out
+
+
+def test_a_recipe_turns_prefix_caching_off():
+    import attrs
+
+    from spark.recipes.schema import Scheduler
+
+    recipe = load_recipes(project_recipes_dir()).get("dummy-tiny")
+    assert recipe_config(ServeConfig(), recipe).prefix_caching is True  # the server's default
+    off = attrs.evolve(recipe, scheduler=attrs.evolve(recipe.scheduler, prefix_caching=False))
+    assert recipe_config(ServeConfig(), off).prefix_caching is False
+    assert Scheduler(prefix_caching=False) != Scheduler()
