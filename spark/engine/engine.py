@@ -37,7 +37,9 @@ from spark.engine.transfer import HostCopy, upload
 
 log = logging.getLogger("spark.engine")
 
-CPU_KV_BUDGET_BYTES = 1 << 30
+# The CPU's KV cache, in tokens, unless told (every page is committed only when first written: a
+# large cache costs its sequences' memory, not its size).
+CPU_KV_CACHE_TOKENS = 32768
 _MAX_ENDED = 65536  # ended ids remembered, so that a plan made before the end is known skips them
 GPU_MEMORY_FRACTION = 0.90  # of the memory free after loading, for the KV cache
 
@@ -88,6 +90,7 @@ class Engine:
         tokenizer=None,
         page_size: int = 16,
         kv_cache_bytes: int | None = None,
+        kv_cache_tokens: int | None = None,
         max_model_len: int | None = None,
     ):
         self.model = model
@@ -96,10 +99,19 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_model_len = max_model_len or self.config.max_position_embeddings
-        budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_kv_budget()
-        num_pages = num_pages_for_budget(self.config, budget, page_size, self.dtype)
-        if num_pages < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 pages")
+        if kv_cache_bytes is not None and kv_cache_tokens is not None:
+            raise ValueError("give the KV cache's size in bytes or in tokens, not both")
+        if kv_cache_tokens is None and kv_cache_bytes is None and self.device.type != "cuda":
+            kv_cache_tokens = CPU_KV_CACHE_TOKENS
+        if kv_cache_tokens is not None:
+            if kv_cache_tokens < 1:
+                raise ValueError(f"a KV cache of {kv_cache_tokens} tokens holds none")
+            num_pages = 1 - (-kv_cache_tokens // page_size)  # and the allocator's scratch page
+        else:
+            budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_kv_budget()
+            num_pages = num_pages_for_budget(self.config, budget, page_size, self.dtype)
+            if num_pages < 2:
+                raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 pages")
         self.kv_cache = KVCache(self.config, num_pages, page_size, self.dtype, self.device)
         self.page_size = page_size
         self.sampler = Sampler()
@@ -122,31 +134,50 @@ class Engine:
         dtype: torch.dtype | None = None,
         page_size: int = 16,
         kv_cache_bytes: int | None = None,
+        kv_cache_tokens: int | None = None,
         max_model_len: int | None = None,
+        weight_format: str | None = None,
         dummy_config=None,
         progress: bool = True,
     ) -> "Engine":
         """Load ``model`` ("default", a .gguf path, an HF directory or "dummy[:preset]") and build an engine.
 
+        Args:
+            dtype: of the activations and the KV cache; the device's default when None (bfloat16 on a GPU;
+              on the CPU the weight format's, float32 for dense weights).
+            kv_cache_bytes, kv_cache_tokens: the KV cache's size, one or neither; by default 90% of the
+              GPU memory free after loading, or ``CPU_KV_CACHE_TOKENS`` tokens on the CPU.
+            weight_format: "dense", or on the CPU "int4" (4-bit groups of 32, bfloat16 activations) or
+              "int8" (int8 rows, bfloat16 activations); None: "int4" on the CPU unless ``dtype`` is
+              given, dense elsewhere (see ``Runtime.for_device`` and ``models/quantized.py``).
+
         Raises:
             ModelLoadError: the model cannot be read; its message names the file and the problem.
+            ValueError: a weight format this device or torch cannot run, or one at odds with ``dtype``.
         """
         from spark.engine.weights import iter_weights, resolve_model
 
         source = resolve_model(model, dummy_config=dummy_config)
-        runtime = Runtime.for_device(checked_device(device) if device is not None else _default_device(), dtype)
+        device = checked_device(device) if device is not None else _default_device()
+        runtime = Runtime.for_device(device, dtype, weight_format)
         t0 = time.perf_counter()
-        weights = iter_weights(source, dtype=runtime.dtype, device=runtime.device, progress=progress)
+        weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress)
         net = build_model(source.config, runtime, weights)
         tokenizer = _load_tokenizer(source)
-        log.info("loaded %s (%s) on %s in %.1fs", source.path or "dummy", source.kind, runtime.device, time.perf_counter() - t0)
-        return cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
+        if source.kind == "gguf":
+            from spark.engine.weights import gguf
+
+            gguf.forget_readers()
+        if runtime.device.type == "cpu":
+            _give_back_freed_heap()
+        log.info("loaded %s (%s) on %s, %s weights, in %.1fs", source.path or "dummy", source.kind, runtime.device,
+                 runtime.weight_format, time.perf_counter() - t0)
+        return cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
+                   kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len)
 
     def _default_kv_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * GPU_MEMORY_FRACTION)
-        return CPU_KV_BUDGET_BYTES
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * GPU_MEMORY_FRACTION)
 
     @property
     def vocab_size(self) -> int:
@@ -466,6 +497,18 @@ class Engine:
                 top_logprobs=top, finish_reason=reason,
             ))
         return outputs
+
+
+def _give_back_freed_heap() -> None:
+    """Hand the heap that loading freed back to the system: glibc keeps it mapped, and a CPU load
+    frees hundreds of MB (dense float32 weights before packing, dequantized GGUF tensors)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def _load_tokenizer(source):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from spark.engine.config import ModelConfig
@@ -21,10 +24,15 @@ class KVCache:
         self.page_size = page_size
         # [layers, 2, pages, page_size, Hkv, Dh]; zeros so that never-written
         # slots hold finite values (masked-out NaNs still poison a matmul).
-        self.storage = torch.zeros(
-            config.num_layers, 2, num_pages, page_size, config.num_kv_heads, config.head_dim,
-            dtype=dtype, device=device,
-        )
+        shape = (config.num_layers, 2, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self._mapping = None
+        if torch.device(device).type == "cpu":
+            # Anonymous memory: the kernel's zero pages, committed when first written, so the cache
+            # is resident as far as sequences have filled it (torch.zeros would write all of it now).
+            self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+            self.storage = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
+        else:
+            self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)]
 
     @property

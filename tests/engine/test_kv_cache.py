@@ -34,7 +34,7 @@ def test_num_pages_for_budget(budget, page_size, dtype, pages):
     assert num_pages_for_budget(SMOLLM2, budget, page_size, dtype) == pages
 
 
-def test_budget_of_the_default_cpu_engine():
+def test_a_gigabyte_budget():
     assert num_pages_for_budget(SMOLLM2, 1 << 30, 16, torch.float32) == 1456
 
 

@@ -9,7 +9,7 @@ import torch
 from spark.engine import models
 from spark.engine.models import ARCHITECTURES, GGUF_ARCHS, HF_MODEL_TYPES, SUPPORTED_ARCHS, model_class
 from spark.engine.models.llama import LlamaModel
-from spark.engine.models.ops import TorchOps, TritonOps
+from spark.engine.models.ops import CpuOps, TorchOps, TritonOps
 from spark.engine.models.runtime import Runtime
 from spark.engine.weights.dummy import PRESETS
 
@@ -37,9 +37,10 @@ def test_the_table_imports_without_torch():
 
 
 def test_runtime_chooses_kernels_by_device_once():
-    cpu, gpu = Runtime.for_device("cpu"), Runtime.for_device("cuda")
-    assert isinstance(cpu.ops, TorchOps) and cpu.dtype == torch.float32
+    cpu, gpu = Runtime.for_device("cpu", torch.float32), Runtime.for_device("cuda")
+    assert isinstance(cpu.ops, CpuOps) and cpu.dtype == torch.float32  # (the weight formats: test_quantized)
     assert isinstance(gpu.ops, TritonOps) and gpu.dtype == torch.bfloat16
+    assert isinstance(Runtime.for_device("mps").ops, TorchOps)
     assert Runtime.for_device("cpu", torch.bfloat16).dtype == torch.bfloat16
     with torch.device("meta"):
         net = LlamaModel(PRESETS["tiny-qwen3"], cpu)

@@ -40,9 +40,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama-3 scaling when configured."""
+    """Inverse frequencies [head_dim // 2] on the host, with Llama-3 scaling when configured.
+
+    On the host even while a model is built on the meta device: meta kernels of this
+    arithmetic are Python refs that import torch._dynamo (130 MB resident)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     s = config.rope_scaling
     if s is None:
         return inv_freq
@@ -132,7 +135,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         ops = self.ops = runtime.ops
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init, whose meta-device kernel would import torch._dynamo (130 MB resident).
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                           _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(Block(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -169,8 +174,9 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> logits [N, V] in fp32."""
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.output is None:  # tied (packed weights give the head a module of its own, sharing the rows)
+            return torch.nn.functional.linear(hidden, self.tok_embeddings.weight).float()
+        return self.output(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -5,7 +5,8 @@ where it used to ask each tensor ``x.is_cuda``. ``TorchOps`` spells out the math
 (the references every kernel is tested against); ``TritonOps`` is the same math in
 the GPU kernels, with the fusions that make decode fast: an add fused into the next
 norm, projections of 33-64 rows in the small-row kernel (maybe split over K), and
-for a one-row step the whole dense block in four small-row launches.
+for a one-row step the whole dense block in four small-row launches. ``CpuOps`` is
+the CPU's path: the references, but a decode step's attention in one batched call.
 
 The ops are plain functions bound on the class, so that a call costs what the old
 ``if x.is_cuda`` branch did: no wrapper frame on the hot path. Kernels are reached
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
@@ -132,3 +134,72 @@ class TritonOps:
     attend = staticmethod(attention.rope_attend_triton)
     swiglu = staticmethod(_swiglu_triton)
     block_one_row = staticmethod(_block_one_row)
+
+
+def _rope_cos_sin_full(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
+    """(cos, sin) [T, 1, Dh] fp32, both halves: ``x * cos + rotate_half(x) * sin`` is the rotation."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh // 2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope.rotate`` in five ops instead of nine: x [T, H, Dh] by full-width cos, sin [T, 1, Dh] (fp32)."""
+    half = x.shape[-1] // 2
+    return (x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * sin).to(x.dtype)
+
+
+class CpuOps(TorchOps):
+    """The CPU's path: the references' math in fewer, larger torch ops.
+
+    On the CPU every op costs microseconds of dispatch, a few times what a decode-sized
+    op computes, so what counts is how many there are: the rotation is five ops with cos
+    and sin made full-width once a step, and a decode-only step attends in one batched
+    SDPA instead of the reference's dozen small ops per sequence. (The norm is the
+    reference's, which rounds as the GPU kernels do: ``F.rms_norm`` rounds once, and in
+    bf16 its greedy tokens agreed less often with float32's, for no time measured.) Each
+    layer writes the step's K/V with one ``index_copy_`` per cache and gathers every
+    sequence's context into one padded ``[B, Hkv, L, Dh]`` batch with one
+    ``index_select``; the gather map and the padding mask are built at the step's first
+    layer and reused by the others (keyed on the step's metadata object). The CPU has no
+    CUDA graphs, so no slot is -1 (padding) here. Other steps take the reference.
+    """
+
+    rope = staticmethod(_rope_cos_sin_full)
+
+    def __init__(self):
+        self._context = None  # (meta, slots [B, L], mask [B, 1, 1, L] or None) of the last decode step
+
+    def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        cos, sin = rope
+        if not meta.decode_only:
+            half = q.shape[-1] // 2
+            return attention.rope_attend_reference(q, k, v, (cos[:, 0, :half], sin[:, 0, half:]), k_cache, v_cache,
+                                                   meta, scale)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        _, page_size, num_kv_heads, head_dim = k_cache.shape
+        k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        slots, mask = self._decode_context(meta, page_size)
+        batch, length = slots.shape
+        flat = slots.view(-1)
+        keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
+        # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
+        out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, head_dim), keys, values,
+                                             attn_mask=mask, scale=scale)
+        return out.view(q.shape)
+
+    def _decode_context(self, meta: AttentionMetadata, page_size: int):
+        """(flat cache slots [B, L] of every sequence's context, padded with page 0; the mask of the
+        real keys [B, 1, 1, L], or None when every context has the longest's length)."""
+        if self._context is not None and self._context[0] is meta:
+            return self._context[1:]
+        lens = meta.seq_lens.long()
+        longest = int(lens.max())
+        pos = torch.arange(longest, device=lens.device)
+        slots = meta.block_tables.long()[:, pos // page_size] * page_size + pos % page_size
+        mask = None if int(lens.min()) == longest else (pos < lens[:, None])[:, None, None, :]
+        self._context = (meta, slots, mask)
+        return slots, mask

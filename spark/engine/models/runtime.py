@@ -14,13 +14,13 @@ import torch
 
 from spark.engine.attention import AttentionMetadata
 from spark.engine.config import ModelConfig
-from spark.engine.models import model_class
-from spark.engine.models.ops import Ops, TorchOps, TritonOps
+from spark.engine.models import model_class, quantized
+from spark.engine.models.ops import CpuOps, Ops, TorchOps, TritonOps
 
 
 @attrs.frozen
 class Runtime:
-    """Where a model runs, in what dtype, with which kernels; fixed when it is built.
+    """Where a model runs, in what dtype, with which kernels and weight format; fixed when it is built.
 
     Tensor parallelism will add the rank and its group here: a model built from
     ``(config, runtime)`` then holds that rank's shard of each weight and the ops
@@ -28,15 +28,47 @@ class Runtime:
     """
 
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations', the norms' and the KV cache's
     ops: Ops
+    weight_format: str = "dense"  # a key of quantized.FORMATS: "dense" (in ``dtype``), "int4", "int8"
 
     @classmethod
-    def for_device(cls, device: str | torch.device, dtype: torch.dtype | None = None) -> "Runtime":
-        """The Triton kernels in bf16 on a GPU; the torch references in fp32 elsewhere (unless ``dtype``)."""
+    def for_device(cls, device: str | torch.device, dtype: torch.dtype | None = None,
+                   weight_format: str | None = None) -> "Runtime":
+        """The Triton kernels in bf16 with dense weights on a GPU. On the CPU ``CpuOps``, and by default
+        4-bit weights with bf16 activations; dense float32 when ``dtype`` is given, or when this torch
+        lacks the 4-bit ops. Elsewhere the torch references, dense, in fp32 unless ``dtype``.
+
+        Raises:
+            ValueError: an unknown format, a packed one off the CPU or without its ops, or a ``dtype``
+              other than the one the format computes in.
+        """
         device = torch.device(device)
-        on_gpu = device.type == "cuda"
-        return cls(device, dtype or (torch.bfloat16 if on_gpu else torch.float32), TritonOps() if on_gpu else TorchOps())
+        if weight_format is not None and weight_format not in quantized.FORMATS:
+            raise ValueError(f"unknown weight format {weight_format!r} (known: {', '.join(quantized.FORMATS)})")
+        if device.type != "cpu":
+            if weight_format not in (None, "dense"):
+                raise ValueError(f"weight format {weight_format!r} runs on the CPU only, not on {device.type}")
+            on_gpu = device.type == "cuda"
+            return cls(device, dtype or (torch.bfloat16 if on_gpu else torch.float32),
+                       TritonOps() if on_gpu else TorchOps())
+        if weight_format is None:
+            weight_format = "int4" if dtype is None and not quantized.missing_ops("int4") else "dense"
+        computes_in = quantized.FORMATS[weight_format]
+        if computes_in is not None:
+            missing = quantized.missing_ops(weight_format)
+            if missing:
+                raise ValueError(f"weight format {weight_format!r} needs {', '.join(missing)}, "
+                                 f"which torch {torch.__version__} lacks")
+            if dtype not in (None, computes_in):
+                raise ValueError(f"{weight_format} weights compute in {computes_in}, not {dtype}")
+            dtype = computes_in
+        return cls(device, dtype or torch.float32, CpuOps(), weight_format)
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """The dtype weights are read in: float32 for a packed format (quantized from it), else ``dtype``."""
+        return self.dtype if self.weight_format == "dense" else torch.float32
 
 
 class Model(Protocol):
@@ -65,12 +97,17 @@ def build_model(
     """The registered model of ``config.arch`` on ``runtime``, filled from HF-named ``weights``, in eval mode.
 
     Built on the meta device and then allocated in place, so that no weight is ever
-    initialised only to be overwritten.
+    initialised only to be overwritten. A packed weight format is loaded dense in float32
+    (``weights`` in ``runtime.load_dtype``) and then packed.
     """
     cls = model_class(config.arch)
     with torch.device("meta"):
         net = cls(config, runtime)
-    net = net.to_empty(device=runtime.device).to(runtime.dtype)
+    # Module.to_empty, but with torch.empty: empty_like of a meta tensor runs a Python ref that
+    # imports sympy (30 MB resident, for nothing the engine uses).
+    net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=runtime.device)).to(runtime.load_dtype)
     net.init_buffers()  # after .to(dtype): non-persistent buffers (rope frequencies) stay fp32
     net.load_weights(weights)
+    if runtime.weight_format != "dense":
+        net = quantized.pack_model(net, runtime.weight_format, runtime.dtype)
     return net.eval()

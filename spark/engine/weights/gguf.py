@@ -75,6 +75,12 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     return _open_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
 
 
+def forget_readers() -> None:
+    """Drop the shared readers: a loaded model needs its file no more, and a reader holds the pages
+    it touched and its parsed header (for SmolLM2-135M, 93 MB of the file and 130 MB of header)."""
+    _open_cached.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
     with open(path, "rb") as f:

@@ -1,4 +1,4 @@
-"""The model's two kernel choices agree: TritonOps (in the interpreter) against TorchOps.
+"""The model's kernel choices agree: TritonOps (in the interpreter) and CpuOps against TorchOps.
 
 Kernel choice lives in the ``Runtime`` rather than in ``x.is_cuda``, so the GPU path
 of the whole model (the fused decode attention, the mixed-step split, the one-row
@@ -17,7 +17,7 @@ import torch
 from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.kernels import small_linear
 from spark.engine.kv_cache import KVCache
-from spark.engine.models.ops import TorchOps, TritonOps
+from spark.engine.models.ops import CpuOps, TorchOps, TritonOps
 from spark.engine.models.runtime import Runtime, build_model
 from spark.engine.weights import iter_weights, resolve_model
 from tests.engine.kernels.conftest import dot_of_values
@@ -68,6 +68,30 @@ def test_triton_ops_match_torch_ops_step_by_step(preset):
             ids = torch.randint(0, source.config.vocab_size, positions.shape, generator=gen)
             expected = ref(ids, positions, ref_cache.layers, meta)  # [T, D]
             torch.testing.assert_close(fused(ids, positions, fused_cache.layers, meta), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_cpu_ops_match_torch_ops_step_by_step(preset, dtype):
+    """The CPU's ops (one-call norm, five-op rotation, the batched decode attention with its
+    padding mask) against the references, through prefill, mixed, decode and one-row steps."""
+    source = resolve_model(f"dummy:{preset}")
+    ref, ref_cache = _model(source, TorchOps(), dtype)
+    cpu, cpu_cache = _model(source, CpuOps(), dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for chunks, decode_only in STEPS:
+            positions, meta = _step(chunks, decode_only)
+            ids = torch.randint(0, source.config.vocab_size, positions.shape, generator=gen)
+            expected = ref(ids, positions, ref_cache.layers, meta).float()
+            got = cpu(ids, positions, cpu_cache.layers, meta).float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            else:  # the norm rounds once where the reference rounds twice: a few bf16 ulps
+                assert (got - expected).abs().max() <= 0.03 * expected.abs().max()
+        # The decode steps wrote the same K/V into the same slots.
+        torch.testing.assert_close(cpu_cache.storage.float(), ref_cache.storage.float(),
+                                   rtol=0 if dtype == torch.float32 else 0.02, atol=1e-5 if dtype == torch.float32 else 0.05)
 
 
 def test_small_row_kernel_path_of_a_wide_model(bf16_rounds_to_nearest, monkeypatch):
