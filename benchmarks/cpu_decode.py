@@ -1,11 +1,14 @@
-"""CPU decode speed of the default model (SmolLM2-135M, float32), one command.
+"""CPU decode speed of the default model (SmolLM2-135M), one command.
 
-    python benchmarks/cpu_decode.py [--batches 1 8] [--prompt-tokens 64] [--new-tokens 64] [--repeats 3] [--threads N]
+    python benchmarks/cpu_decode.py [--batches 1 8] [--threads 1 2] [--busy 0 1] [--weight-format int4]
+        [--prompt-tokens 64] [--new-tokens 64] [--repeats 3]
 
-Per batch size: greedy, prompts of 64 tokens, 64 new tokens, after a warm-up;
-the prefill step and the decode steps are timed apart and the median of the
-repeats is kept. Decode tokens/s counts every sequence's token of a decode step.
-Run it on an otherwise idle machine: with more runnable threads than cores,
+Per weight format, torch thread count, busy-core setting and batch size: greedy, prompts
+of 64 tokens, 64 new tokens, after a warm-up; the prefill step and the decode steps are
+timed apart and the median of the repeats is kept. Decode tokens/s counts every
+sequence's token of a decode step. ``--busy 1`` runs the measurement beside one
+process spinning on a core (started here, stopped after), as when a server shares its
+machine. Run it on an otherwise idle machine: with more runnable threads than cores,
 torch's OpenMP threads wait on each other and small decode steps slow down many times.
 Prints a table; writes JSON to benchmarks/results/cpu-<date>.json.
 """
@@ -13,8 +16,10 @@ Prints a table; writes JSON to benchmarks/results/cpu-<date>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import multiprocessing
 import os
 import pathlib
 import platform
@@ -73,53 +78,84 @@ def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple
     return t1 - t0, time.perf_counter() - t1, steps
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_core(busy: bool):
+    """One process spinning on a core while the block runs (nothing when ``busy`` is false)."""
+    if not busy:
+        yield
+        return
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        time.sleep(0.5)  # let it reach its loop
+        yield
+    finally:
+        spinner.kill()
+        spinner.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch CPU threads")
+    ap.add_argument("--busy", type=int, nargs="+", default=[0, 1], choices=[0, 1],
+                    help="0: as the machine is; 1: beside a process spinning on one core")
+    ap.add_argument("--weight-format", default=None, help="Engine.load's weight_format (default: the CPU's)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
 
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    engine = Engine.load("default", device="cpu", dtype=torch.float32, kv_cache_bytes=256 << 20, progress=False)
+    engine = Engine.load("default", device="cpu", weight_format=args.weight_format,
+                         kv_cache_tokens=8192, progress=False)
     load_s = time.perf_counter() - t0
+    fmt = engine.model.layers[0].feed_forward.w13.__class__.__name__
     rows = []
-    for batch in args.batches:
-        prompts = make_prompts(engine, batch, args.prompt_tokens)
-        run_once(engine, prompts, 8)  # warm-up: first-call allocations, oneDNN primitive caches
-        runs = [run_once(engine, prompts, args.new_tokens) for _ in range(args.repeats)]
-        prefill_s = statistics.median(r[0] for r in runs)
-        decode_s = statistics.median(r[1] for r in runs)
-        steps = runs[0][2]
-        rows.append({
-            "batch": batch,
-            "decode_tok_s": round(batch * steps / decode_s, 1),
-            "ms_per_decode_step": round(1000 * decode_s / steps, 2),
-            "prefill_tok_s": round(batch * args.prompt_tokens / prefill_s, 1),
-            "decode_s_runs": [round(r[1], 3) for r in runs],
-        })
-
-    print(f"SmolLM2-135M float32, CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads), "
-          f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, median of {args.repeats}")
-    print(f"{'batch':>5} {'decode tok/s':>13} {'ms/step':>8} {'prefill tok/s':>14}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['decode_tok_s']:>13} {r['ms_per_decode_step']:>8} {r['prefill_tok_s']:>14}")
+    for busy in args.busy:
+        with busy_core(bool(busy)):
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                for batch in args.batches:
+                    prompts = make_prompts(engine, batch, args.prompt_tokens)
+                    run_once(engine, prompts, 8)  # warm-up: first-call allocations, oneDNN primitive caches
+                    runs = [run_once(engine, prompts, args.new_tokens) for _ in range(args.repeats)]
+                    prefill_s = statistics.median(r[0] for r in runs)
+                    decode_s = statistics.median(r[1] for r in runs)
+                    steps = runs[0][2]
+                    rows.append({
+                        "busy_core": bool(busy), "threads": threads, "batch": batch,
+                        "decode_tok_s": round(batch * steps / decode_s, 1),
+                        "ms_per_decode_step": round(1000 * decode_s / steps, 2),
+                        "prefill_tok_s": round(batch * args.prompt_tokens / prefill_s, 1),
+                        "decode_s_runs": [round(r[1], 3) for r in runs],
+                    })
+                    print(rows[-1], flush=True)
     load_after = os.getloadavg()
+
+    print(f"\nSmolLM2-135M on the CPU ({os.cpu_count()} cores), {engine.dtype} activations, linears {fmt}; "
+          f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, median of {args.repeats}")
+    print(f"{'busy':>4} {'threads':>7} {'batch':>5} {'decode tok/s':>13} {'ms/step':>8} {'prefill tok/s':>14}")
+    for r in rows:
+        print(f"{int(r['busy_core']):>4} {r['threads']:>7} {r['batch']:>5} {r['decode_tok_s']:>13} "
+              f"{r['ms_per_decode_step']:>8} {r['prefill_tok_s']:>14}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
 
     now = datetime.datetime.now()
     record = {
         "date": now.isoformat(timespec="seconds"),
-        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to float32)",
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "weight_format": args.weight_format or "default", "linears": fmt, "dtype": str(engine.dtype),
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "machine": {
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "loadavg_before": load_before, "loadavg_after": load_after,
         },
         "load_s": round(load_s, 2),

@@ -23,6 +23,7 @@ import torch
 
 from spark.engine.offline import generate
 from spark.engine.engine import Engine
+from spark.engine.models.ops import TorchOps
 from spark.engine.kernels import activation, kv_write, paged_attention as pa, rope
 from spark.engine.sampling import SamplingParams
 
@@ -281,8 +282,14 @@ def _second_step_logits(engine, prompts, params) -> torch.Tensor:
 
 def check_gpu_vs_cpu(rows: list) -> None:
     """The same fp32 weights on the CPU path (torch references) and the GPU path (Triton, graphs): greedy tokens."""
-    cpu = Engine.load("dummy:smollm2-135m", device="cpu", progress=False, kv_cache_bytes=256 << 20, max_model_len=512)
-    gpu = Engine(copy.deepcopy(cpu.model).to("cuda"), tokenizer=cpu.tokenizer, kv_cache_bytes=256 << 20, max_model_len=512)
+    # float32: dense weights (the CPU's default packs them in 4 bits, which a GPU copy cannot run).
+    cpu = Engine.load("dummy:smollm2-135m", device="cpu", dtype=torch.float32, progress=False,
+                      kv_cache_bytes=256 << 20, max_model_len=512)
+    model = copy.deepcopy(cpu.model).to("cuda")
+    for m in model.modules():  # the references on the GPU (the CPU's own ops have no padded slots)
+        if hasattr(m, "ops"):
+            m.ops = TorchOps()
+    gpu = Engine(model, tokenizer=cpu.tokenizer, kv_cache_bytes=256 << 20, max_model_len=512)
     gpu.enable_cuda_graphs(8)
     gpu.graphs.capture_all()
     gen = torch.Generator().manual_seed(3)
