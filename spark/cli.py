@@ -76,6 +76,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                      help="engine steps launched ahead of their results (default 2)")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="context length in tokens (default: the model's, or its recipe's)")
+    srv.add_argument("--weight-format", choices=("int4", "int8", "dense"), default=None,
+                     help="the weights on the CPU: int4 (default), int8, or dense float32 (batch-invariant)")
     srv.add_argument("--cpu-threads", "--threads", type=int, default=None,
                      help="torch threads of a CPU engine (default: the usable cores less one, at least 1)")
     srv.add_argument("--api-key", action="append", default=None,
@@ -171,7 +173,7 @@ def _serve(args) -> int:
         host=args.host, port=args.port, model=args.model, served_name=args.served_name, device=args.device,
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, max_model_len=args.max_model_len,
-        cpu_threads=args.cpu_threads, api_keys=tuple(args.api_key) if args.api_key else None,
+        cpu_threads=args.cpu_threads, weight_format=args.weight_format, api_keys=tuple(args.api_key) if args.api_key else None,
         recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key,
         **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

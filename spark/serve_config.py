@@ -37,6 +37,10 @@ class ServeConfig:
     # torch's intra-op threads of an engine on the CPU; None: one fewer than this process may use (at
     # least 1). The event loop needs a core: OpenMP threads spinning on every core made steps 24x slower.
     cpu_threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    # The weights' format on the CPU: "int4" (the default there), "int8" or "dense" (float32; batch-
+    # invariant: a prompt samples the same alone or in a batch); None: the engine's default.
+    weight_format: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.in_(("dense", "int4", "int8"))))
     max_batch_size: int = 64  # running sequences at most
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(SCHEDULER_POLICIES))

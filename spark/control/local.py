@@ -44,7 +44,8 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     model = config.model if model is None else model
     kwargs = dict(device=config.device, page_size=config.page_size, kv_cache_bytes=config.kv_cache_bytes,
                   max_model_len=config.max_model_len)
-    kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype)) if v is not None})
+    kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype),
+                                     ("weight_format", config.weight_format)) if v is not None})
     threads = config.resolved_cpu_threads()
     if config.uses_engine_process():
         from spark.actors.engine_process import EngineProcess

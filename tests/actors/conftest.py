@@ -17,7 +17,9 @@ def real_engine():
     """
     from spark.engine.engine import Engine
 
-    return Engine.load("default", device="cpu", kv_cache_bytes=64 << 20, progress=False)
+    # Dense float32 weights: the int4 matmuls of the CPU's default are not batch-invariant (a prompt alone
+    # and in a batch may sample differently), and these tests compare outputs across batchings.
+    return Engine.load("default", device="cpu", kv_cache_bytes=64 << 20, progress=False, weight_format="dense")
 
 
 @asynccontextmanager

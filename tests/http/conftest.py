@@ -53,7 +53,8 @@ def server():
     torch.set_num_threads(1)
     config = ServeConfig(model="default", port=0, device="cpu", max_model_len=MAX_MODEL_LEN,
                          api_keys=(API_KEY,), max_body_bytes=MAX_BODY_BYTES, kv_cache_bytes=256 << 20,
-                         default_max_tokens=24)  # the chat REPL names no max_tokens
+                         default_max_tokens=24,  # the chat REPL names no max_tokens
+                         weight_format="dense")  # batch-invariant: tests compare outputs across batchings
     serve = functools.partial(serve_async, config, quiet=True)
     try:
         with serve_in_thread(serve, name="spark-server") as url:
