@@ -162,13 +162,22 @@ class CpuOps(TorchOps):
     sequence's context into one padded ``[B, Hkv, L, Dh]`` batch with one
     ``index_select``; the gather map and the padding mask are built at the step's first
     layer and reused by the others (keyed on the step's metadata object). The CPU has no
-    CUDA graphs, so no slot is -1 (padding) here. Other steps take the reference.
+    CUDA graphs, but a replayed graph's padded rows (slot -1) write to the scratch page. Other steps take the
+    reference.
     """
 
     rope = staticmethod(_rope_cos_sin_full)
 
     def __init__(self):
         self._context = None  # (meta, slots [B, L], mask [B, 1, 1, L] or None) of the last decode step
+        self._writes = None  # (meta, the slots its K/V go to) of the last decode step
+
+    def _write_slots(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's slot mapping with padded rows (-1, as a replayed graph pads them) sent to the scratch
+        page 0, built once a step."""
+        if self._writes is None or self._writes[0] is not meta:
+            self._writes = (meta, meta.slot_mapping.clamp_min(0))
+        return self._writes[1]
 
     def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         cos, sin = rope
@@ -179,8 +188,9 @@ class CpuOps(TorchOps):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        write = self._write_slots(meta)
+        k_flat.index_copy_(0, write, k)
+        v_flat.index_copy_(0, write, v)
         slots, mask = self._decode_context(meta, page_size)
         batch, length = slots.shape
         flat = slots.view(-1)
