@@ -145,7 +145,8 @@ def send_loop(conn, sends: queue.SimpleQueue) -> None:
 
 def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None) -> None:
     """The engine process: load, report, then serve sessions until told to stop."""
-    from spark.engine.engine import Engine, use_cpu_threads
+    from spark.engine.device import use_cpu_threads
+    from spark.engine.engine import Engine
     from spark.engine.errors import ModelLoadError
 
     if cpu_threads is not None:

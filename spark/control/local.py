@@ -37,7 +37,8 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     Raises:
         ModelLoadError: the model cannot be read.
     """
-    from spark.engine.engine import Engine, checked_device, use_cpu_threads
+    from spark.engine.device import checked_device, use_cpu_threads
+    from spark.engine.engine import Engine
 
     if config.device is not None:
         checked_device(config.device)  # here, not in an engine process that would only say it failed

@@ -33,6 +33,7 @@ from spark.core.plan import Chunk, StepPlan, TokenOutput
 from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
+from spark.engine.device import checked_device, default_device
 from spark.engine.transfer import HostCopy, upload
 
 log = logging.getLogger("spark.engine")
@@ -52,32 +53,6 @@ class _Launched:
     token_ids: torch.Tensor | None = None  # [N] on the device: the next step's inputs read it
     samples: HostCopy | None = None  # token ids, chosen logprobs, top ids, top logprobs
     outputs: list[TokenOutput] | None = None  # once completed
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def checked_device(device: str | torch.device) -> torch.device:
-    """``device`` as torch's, or a ``ValueError`` a user can act on (torch's would be a bare
-    ``AssertionError: Torch not compiled with CUDA enabled`` from deep inside the load)."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {str(device)!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
-        raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) has {why}; use --device cpu")
-    return device
-
-
-def use_cpu_threads(device: str | None, threads: int) -> None:
-    """Give torch ``threads`` intra-op threads when this process's engine runs on the CPU (``device``;
-    None: the default device)."""
-    on_cpu = torch.device(device).type == "cpu" if device else _default_device().type == "cpu"
-    if on_cpu and torch.get_num_threads() != threads:
-        log.info("cpu engine: %d torch threads", threads)
-        torch.set_num_threads(threads)
 
 
 class Engine:
@@ -158,7 +133,7 @@ class Engine:
         from spark.engine.weights import iter_weights, resolve_model
 
         source = resolve_model(model, dummy_config=dummy_config)
-        device = checked_device(device) if device is not None else _default_device()
+        device = checked_device(device) if device is not None else default_device()
         runtime = Runtime.for_device(device, dtype, weight_format)
         t0 = time.perf_counter()
         weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress)
