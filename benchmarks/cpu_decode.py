@@ -16,10 +16,8 @@ Prints a table; writes JSON to benchmarks/results/cpu-<date>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
-import multiprocessing
 import os
 import pathlib
 import platform
@@ -27,6 +25,7 @@ import statistics
 import time
 
 import torch
+from busy_core import busy_core
 
 from spark.engine.engine import Engine
 from spark.core.plan import Chunk, StepPlan
@@ -76,27 +75,6 @@ def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple
         step({sid: 1 for sid in running})
         steps += 1
     return t1 - t0, time.perf_counter() - t1, steps
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def busy_core(busy: bool):
-    """One process spinning on a core while the block runs (nothing when ``busy`` is false)."""
-    if not busy:
-        yield
-        return
-    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
-    spinner.start()
-    try:
-        time.sleep(0.5)  # let it reach its loop
-        yield
-    finally:
-        spinner.kill()
-        spinner.join()
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ benchmarks/results/cpu-vs-llamacpp-<date>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import http.client
 import json
@@ -39,6 +38,7 @@ import threading
 import time
 
 import attrs
+from busy_core import busy_core
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -158,26 +158,6 @@ def measure(server: Server, clients: int, max_tokens: int) -> dict:
         "wall_s": wall,
         "rss_peak_mb": peak[0],
     }
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def busy_core(busy: bool):
-    """A process spinning on one core while the block runs (nothing when ``busy`` is false)."""
-    if not busy:
-        yield
-        return
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.5)
-        yield
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 def start_spark(port: int, extra: list[str], log) -> Server:
