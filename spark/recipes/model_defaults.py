@@ -9,6 +9,7 @@ answers with nonsense.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pathlib
@@ -30,8 +31,10 @@ HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
            "repetition_penalty": "repetition_penalty", "max_tokens": "max_new_tokens"}
 
 
+@functools.lru_cache(maxsize=16)
 def model_sampling(model: str, recipes_dir: str | pathlib.Path | None = None) -> tuple[Sampling, str | None]:
-    """The sampling defaults of ``model`` (an ``Engine.load`` spec) and where they come from.
+    """The sampling defaults of ``model`` (an ``Engine.load`` spec) and where they come from; read once per
+    process (start-up asks twice: before the load and for the slot's catalog, and a GGUF header takes seconds).
 
     Returns:
       ``(sampling, source)``: source names the file or recipe read, None when nothing said anything
