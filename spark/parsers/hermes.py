@@ -139,7 +139,7 @@ class HermesStream(TextMachine):
 
 
 def _parse_call(body: str) -> tuple[str, dict[str, Any]] | None:
-    _, obj = load_json(body)
+    _, obj = load_json(body.strip())  # str.strip: also the white space JSON does not take (U+2028, ...)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
