@@ -68,6 +68,9 @@ class Metrics:
             "spark_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hit_tokens = Counter(
             "spark_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed)", registry=r)
+        self.prefix_pinned_pages = Gauge(
+            "spark_prefix_cache_pinned_pages", "KV pages a pin keeps cached (stored Responses, cache_control)",
+            registry=r)
         self.prefix_evictions = Counter(
             "spark_prefix_cache_evictions", "Cached pages given out again for other tokens", registry=r)
         self.prompt_tokens = Counter("spark_prompt_tokens", "Prompt tokens admitted", registry=r)

@@ -52,6 +52,10 @@ class ServeConfig:
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
     # Full prompt pages are cached and reused by later prompts that start with the same tokens.
     prefix_caching: bool = True
+    # A stored Response's prefix (and an Anthropic cache_control breakpoint's without a ttl) stays
+    # cached this long; pinned pages never exceed this share of the KV cache.
+    prefix_pin_ttl_s: float = 300.0
+    prefix_pin_share: float = 0.5
     page_size: int = 16
     kv_cache_bytes: int | None = None  # KV cache budget; from free memory by default
     max_model_len: int | None = None  # context length; the model's by default

@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from spark.actors.channels import take_waiting
-from spark.actors.messages import Admit, Cancel, Out, StreamOpen, Submission
+from spark.actors.messages import Admit, Cancel, Out, StreamOpen, Submission, Unpin
 from spark.core.core import DEFAULT_DEPTH, Core
 from spark.core.events import CoreMetrics, Opened, PrefixHit, TokenBatch
 from spark.core.faults import Faults
@@ -46,7 +46,9 @@ _MAX_EARLY_CANCELS = 10_000
 def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], float] = time.perf_counter) -> Core:
     """The core a ``ServeConfig`` describes around ``engine``: its policy, limits and depth."""
     limits = Limits(max_prefill_tokens=config.max_prefill_tokens, tbt_deadline=config.tbt_deadline_ms / 1000.0)
-    scheduler = Scheduler(engine.new_page_allocator(), make_policy(config.scheduler, limits),
+    allocator = engine.new_page_allocator()
+    allocator.max_pinned = int(allocator.num_total * min(max(config.prefix_pin_share, 0.0), 1.0))
+    scheduler = Scheduler(allocator, make_policy(config.scheduler, limits),
                           max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching)
     return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
                 faults=Faults.parse(config.faults))
@@ -96,7 +98,9 @@ class CoreLoop:
             for message in batch:
                 if isinstance(message, Admit):
                     r = message.request
-                    self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited)
+                    self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited, pins=r.pins)
+                elif isinstance(message, Unpin):
+                    self.core.unpin(message.key)
                 else:
                     self.core.cancel(message.request_id)
 
@@ -270,8 +274,10 @@ class _Link:
 
     async def forward_cancels(self, cancels: trio.MemoryReceiveChannel, send: Callable[[list], None]) -> None:
         async for cancel in cancels:
-            batch: list[Cancel] = take_waiting(cancels, [cancel])
+            batch: list[Cancel | Unpin] = take_waiting(cancels, [cancel])
             for c in batch:
+                if isinstance(c, Unpin):
+                    continue  # for the core alone
                 if self._moved.pop(c.request_id, None) is not None:
                     self._room.set()
                 elif c.request_id in self._running:
@@ -317,6 +323,7 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
     metrics.prefix_queried_tokens.inc(core.prefix_queried_tokens)
     metrics.prefix_hit_tokens.inc(core.prefix_hit_tokens)
     metrics.prefix_evictions.inc(core.prefix_evictions)
+    metrics.prefix_pinned_pages.set(core.prefix_pinned_pages)
     now = trio.current_time()
     for seconds in core.queue_times:
         metrics.queue_time.observe(seconds)

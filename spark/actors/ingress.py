@@ -14,7 +14,7 @@ import math
 
 import trio
 
-from spark.actors.messages import Cancel, GenerateRequest, RequestOutput, Submission
+from spark.actors.messages import Cancel, GenerateRequest, RequestOutput, Submission, Unpin
 from spark.actors.rate_limiter import RateLimiter
 
 
@@ -109,6 +109,13 @@ class Ingress:
         self.vocab_size = vocab_size
         self.rate_limiter = rate_limiter
         self._metrics = metrics
+
+    def unpin(self, key: str) -> None:
+        """Tell the core a pin may end; dropped when the channel is full (the pin's TTL ends it then)."""
+        try:
+            self._cancels.send_nowait(Unpin(key))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Queue ``request``; raises ``SubmitError`` when it is refused."""

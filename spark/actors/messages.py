@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from spark.core.events import CoreMetrics, Event
+from spark.core.scheduler import PrefixPin
 from spark.engine.sampling import SamplingParams
 from spark.serve_config import ServeConfig
 
@@ -37,6 +38,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first match
     api_key: str | None = None  # for rate limiting; None when keys are not configured
     skip_special_tokens: bool = True
+    pins: tuple[PrefixPin, ...] = ()  # prefixes to keep cached after it ends (a stored Response, cache_control)
 
 
 @attrs.frozen
@@ -96,6 +98,13 @@ class Cancel:
     """The request's client went away (or a stop string ended it): free its pages."""
 
     request_id: str
+
+
+@attrs.frozen
+class Unpin:
+    """Server -> core: the prefix pinned under ``key`` need not stay (its stored Response was deleted)."""
+
+    key: str
 
 
 @attrs.frozen

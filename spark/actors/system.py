@@ -68,6 +68,10 @@ class SparkSystem:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
+    def unpin(self, key: str) -> None:
+        """End the prefix pin under ``key`` (a request's ``pin``) in the core; best effort, never waits."""
+        self._ingress.unpin(key)
+
     async def preflight(self) -> None:
         """One real request through every actor and one engine step; raises if it fails."""
         prompt = (self.tokenizer.bos_token_id or 0,) if self.tokenizer else (0,)

@@ -181,6 +181,10 @@ class LocalModel(ServedModel):
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         return streams
 
+    def unpin(self, key: str) -> None:
+        if self.system is not None:
+            self.system.unpin(key)
+
     def _hosted(self) -> SparkSystem:
         if self.system is None:
             raise RuntimeError(f"{self.recipe.id} is not hosted (not up yet, or released)")

@@ -75,6 +75,9 @@ class ServedModel(Protocol):
             SubmitError: refused (400 too long, 429 rate limited, 503 queue full or switching).
         """
 
+    def unpin(self, key: str) -> None:
+        """End the prefix pin under ``key`` (``GenerateRequest.pin``) now; unknown keys are ignored."""
+
     def submit(self, request: GenerateRequest) -> GenerationStream:
         """Queue ``request``.
 

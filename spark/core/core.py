@@ -25,7 +25,7 @@ from spark.core.events import CoreMetrics, Event, Failed, Opened, PrefixHit, Ste
 from spark.core.faults import Faults, InjectedFault
 from spark.core.interfaces import StepEngine
 from spark.core.plan import Chunk, NewSequence, StepPlan, StepResult
-from spark.core.scheduler import Scheduler, SeqState
+from spark.core.scheduler import PrefixPin, Scheduler, SeqState
 
 log = logging.getLogger("spark.core")
 
@@ -61,7 +61,7 @@ class Core:
         self._doomed: set[Hashable] = set()  # requests a fault fails at their first result
         self.depth = max(1, depth)
         self.clock = clock
-        self._pending: dict[Hashable, tuple[NewSequence, float]] = {}  # submitted, not admitted: (sequence, arrival)
+        self._pending: dict[Hashable, tuple[NewSequence, float, tuple[PrefixPin, ...]]] = {}  # submitted, not admitted
         self._active: set[Hashable] = set()  # admitted, not ended
         self._added: list[NewSequence] = []  # to register with the engine in the next plan
         self._removed: list[Hashable] = []  # the engine must forget
@@ -73,15 +73,21 @@ class Core:
         self._reported = (0, 0, 0)  # prefix cache totals at the last metrics snapshot
 
     # -- requests ---------------------------------------------------------
-    def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None) -> None:
-        """Queue a request; it is admitted (``Opened``) when the batch has room."""
+    def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None,
+               pins: Sequence[PrefixPin] = ()) -> None:
+        """Queue a request; it is admitted (``Opened``) when the batch has room. ``pins``: prefixes of
+        it to keep cached for a while after it ends (prefix caching only)."""
         arrival = self.clock() if arrival is None else arrival
-        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival)
+        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival, tuple(pins))
 
     def cancel(self, request_id: Hashable) -> None:
         """End a request wherever it is (its pages are free for the next plan); unknown ids are ignored."""
         if self._pending.pop(request_id, None) is None and request_id in self._active:
-            self._end(request_id)
+            self._end(request_id, kept=True)
+
+    def unpin(self, key: Hashable) -> None:
+        """End the pin under ``key`` now (a stored Response was deleted); unknown keys are ignored."""
+        self.scheduler.allocator.unpin(key)
 
     @property
     def busy(self) -> bool:
@@ -130,7 +136,7 @@ class Core:
             requests_running=len(s.running), requests_waiting=len(self._pending) + len(s.waiting),
             queue_times=tuple(self._queue_times), steps=tuple(self._steps),
             prefix_cached_pages=s.allocator.num_cached, prefix_queried_tokens=queried, prefix_hit_tokens=hit,
-            prefix_evictions=evicted,
+            prefix_evictions=evicted, prefix_pinned_pages=s.allocator.num_pinned,
         )
         self._queue_times.clear()
         self._steps.clear()
@@ -140,14 +146,14 @@ class Core:
     def _admit(self, events: list[Event]) -> None:
         while self._pending and self.scheduler.has_room():
             request_id = next(iter(self._pending))
-            new, arrival = self._pending.pop(request_id)
+            new, arrival, pins = self._pending.pop(request_id)
             self._active.add(request_id)
             self._admissions += 1
             if self.faults.every_nth_request and self._admissions % self.faults.every_nth_request == 0:
                 self._doomed.add(request_id)
             self._added.append(new)
             n = len(new.prompt_ids)
-            self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids))
+            self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids, pins=pins))
             events.append(Opened(request_id))
 
     def _launch_next(self, events: list[Event]) -> bool:
@@ -217,10 +223,13 @@ class Core:
                     self._end(doomed)
                     events.append(Failed(doomed, "the request was told to fail (faults)"))
         outputs = tuple(o for o in result.outputs if o.seq_id in self._active)  # not cancelled meanwhile
+        if self.scheduler.prefix_caching:  # the generated tokens, for the pages they fill
+            for out in outputs:
+                self.scheduler.seq(out.seq_id).output_ids.append(out.token_id)
         for out in outputs:
             if out.finish_reason is not None:
                 # the engine forgot it already; only the pages and our records remain
-                self.scheduler.finish(out.seq_id)
+                self.scheduler.finish(out.seq_id, now)
                 self._active.discard(out.seq_id)
         if outputs:
             events.append(TokenBatch(outputs, now))
@@ -261,8 +270,9 @@ class Core:
             log.warning("request %s does not fit in the KV cache", head.request_id)
             events.append(Failed(head.request_id, "the request does not fit in the KV cache"))
 
-    def _end(self, request_id: Hashable) -> None:
-        self.scheduler.finish(request_id)
+    def _end(self, request_id: Hashable, *, kept: bool = False) -> None:
+        """End a request the engine did not end; ``kept``: its computed prefix stays cached (a cancel)."""
+        self.scheduler.finish(request_id, self.clock() if kept else None)
         self._active.discard(request_id)
         self._doomed.discard(request_id)
         unregistered = [n for n in self._added if n.seq_id == request_id]

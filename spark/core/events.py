@@ -71,3 +71,4 @@ class CoreMetrics:
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since the last snapshot
     prefix_hit_tokens: int = 0  # of those, found cached
     prefix_evictions: int = 0  # cached pages given out again, since the last snapshot
+    prefix_pinned_pages: int = 0  # pages a pin keeps cached (stored Responses, cache_control)

@@ -11,6 +11,11 @@ starts with the same tokens maps those pages (``match`` then ``share_cached``) i
 computing them. A registered page whose last holder frees it stays cached, evictable: it
 counts as free, and is given out again (its content forgotten) least recently used first,
 only when no never-used page is left. A page some sequence holds is never evicted.
+
+Pins: ``pin`` keeps a sequence's cached pages out of eviction until a deadline, under a key
+(a stored Response's id, an Anthropic ``cache_control`` breakpoint) that ``unpin`` ends early.
+A pinned page no sequence holds is neither free nor used; the pages pinned at once never
+exceed ``max_pinned`` (the pins that end soonest give way to a new one).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class PageAllocator:
     skipped slots point there, so a stray write can never land in a live page.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, *, max_pinned: int | None = None):
         if num_pages < 2:
             raise ValueError(f"need at least 2 KV pages, got {num_pages}")
         if page_size < 1:
@@ -50,6 +55,11 @@ class PageAllocator:
         self._hash_of: dict[int, bytes] = {}
         self.peak_used = 0
         self.evictions = 0  # cached pages given out again
+        self.max_pinned = self.num_total // 2 if max_pinned is None else max(0, min(max_pinned, self.num_total))
+        self._pins: dict[object, tuple[float, list[int]]] = {}  # key -> (until, its pages)
+        self._pin_count: dict[int, int] = {}  # page -> pins that cover it
+        self._kept: set[int] = set()  # pinned pages no sequence holds: neither used nor free
+        self._next_expiry = float("inf")
 
     # -- counters ---------------------------------------------------------
     @property
@@ -58,12 +68,18 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_total - self.num_free
+        """Pages some sequence holds."""
+        return self.num_total - self.num_free - len(self._kept)
 
     @property
     def num_cached(self) -> int:
         """Pages registered under a prefix hash (held or evictable)."""
         return len(self._hash_of)
+
+    @property
+    def num_pinned(self) -> int:
+        """Distinct pages some pin covers (held or not)."""
+        return len(self._pin_count)
 
     @property
     def usage(self) -> float:
@@ -142,7 +158,10 @@ class PageAllocator:
             if page not in self._hash_of:
                 raise ValueError(f"page {page} is not cached")
             if self._refcount[page] == 0:
-                del self._evictable[page]
+                if page in self._kept:
+                    self._kept.discard(page)
+                else:
+                    del self._evictable[page]
             self._refcount[page] += 1
         self._tables[seq_id] = list(pages)
         return tuple(pages)
@@ -159,10 +178,64 @@ class PageAllocator:
 
     def forget_cached(self) -> None:
         """Drop every prefix registration (a step failed: the K/V it was to write cannot be trusted)."""
+        self.drop_pins()
         self._page_of.clear()
         self._hash_of.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
+
+    # -- pins ---------------------------------------------------------------
+    def pin(self, key, hashes: Sequence[bytes], until: float) -> int:
+        """Pin the cached pages of the longest run of ``hashes`` (as ``match``) until ``until`` (a pin
+        under ``key`` already is replaced). Returns the pages pinned."""
+        self.unpin(key)
+        pages = self.match(hashes)
+        new = sum(1 for p in pages if p not in self._pin_count)
+        while self._pins and self.num_pinned + new > self.max_pinned:
+            self.unpin(min(self._pins, key=lambda k: self._pins[k][0]))  # the one ending soonest
+            new = sum(1 for p in pages if p not in self._pin_count)
+        while pages and self.num_pinned + new > self.max_pinned:  # alone it is too long: its first pages
+            if pages.pop() not in self._pin_count:
+                new -= 1
+        if not pages:
+            return 0
+        for page in pages:
+            self._pin_count[page] = self._pin_count.get(page, 0) + 1
+            if self._refcount[page] == 0:
+                self._evictable.pop(page, None)
+                self._kept.add(page)
+        self._pins[key] = (until, pages)
+        self._next_expiry = min(self._next_expiry, until)
+        return len(pages)
+
+    def unpin(self, key) -> None:
+        """End the pin under ``key`` (unknown keys are a no-op): its pages no one holds become evictable."""
+        entry = self._pins.pop(key, None)
+        if entry is None:
+            return
+        for page in entry[1]:
+            left = self._pin_count[page] - 1
+            if left:
+                self._pin_count[page] = left
+                continue
+            del self._pin_count[page]
+            if page in self._kept:
+                self._kept.discard(page)
+                self._evictable[page] = None  # as if just freed: the most recently used
+
+    def expire_pins(self, now: float) -> None:
+        """End the pins whose time is up."""
+        if now < self._next_expiry:
+            return
+        for key in [k for k, (until, _) in self._pins.items() if until <= now]:
+            self.unpin(key)
+        self._next_expiry = min((until for until, _ in self._pins.values()), default=float("inf"))
+
+    def drop_pins(self) -> None:
+        """End every pin (a request could not start otherwise, or the cache is forgotten)."""
+        for key in list(self._pins):
+            self.unpin(key)
+        self._next_expiry = float("inf")
 
     def _take(self) -> int:
         """A page for a new holder: a never-used one, else the least recently used cached one."""
@@ -186,7 +259,9 @@ class PageAllocator:
         for page in table:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                if page in self._hash_of:
+                if page in self._pin_count:
+                    self._kept.add(page)  # kept by its pin; evictable when the pin ends
+                elif page in self._hash_of:
                     self._evictable[page] = None  # the most recently used
                 else:
                     self._free.append(page)

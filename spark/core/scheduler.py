@@ -11,6 +11,8 @@ With prefix caching, a prompt's full pages are registered in the allocator as th
 chunks are planned, and a sequence that starts (or restarts, after preemption) maps the
 longest cached run of its prompt's pages instead of computing them: ``prefix_hits`` tells
 the engine where its computing starts. At least one token is always computed, for the logits.
+A sequence that ends also registers the full pages its generated tokens filled (the next turn of
+a chat re-sends them as its prompt), and pins its prefixes when its request asked (``PrefixPin``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ class SeqState:
     page_hashes: list[bytes] = attrs.field(factory=list)  # of its prompt's full pages, as far as computed
     registered_pages: int = 0  # of its pages, the first ones registered in the prefix cache
     epoch: int = 0  # bumped whenever it loses its pages: a step planned before cannot register them
+    output_ids: list[int] = attrs.field(factory=list)  # sampled tokens, as collected (prefix caching only)
+    pins: tuple["PrefixPin", ...] = ()
+
+
+@attrs.frozen
+class PrefixPin:
+    """Keep a request's prefix cached for ``ttl_s`` seconds after it ends, under ``key`` (which ends it early).
+
+    ``tokens``: the prefix's length; None: all of it, the generated tokens included (a stored Response,
+    which the next turn extends).
+    """
+
+    key: Hashable
+    ttl_s: float
+    tokens: int | None = None
 
 
 class Scheduler:
@@ -79,10 +96,16 @@ class Scheduler:
         self._seqs[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def finish(self, request_id: Hashable) -> bool:
-        """Drop a request wherever it is and release its pages. Returns whether it was here."""
-        self.allocator.free(request_id)
+    def finish(self, request_id: Hashable, now: float | None = None) -> bool:
+        """Drop a request wherever it is and release its pages. Returns whether it was here.
+
+        ``now``: it ended well (finished, or cancelled): first keep the prefix its pages hold (its
+        generated pages registered, its pin applied). None: it failed, its pages hold nothing known.
+        """
         seq = self._seqs.pop(request_id, None)
+        if seq is not None and now is not None and self.prefix_caching:
+            self._keep_prefix(seq, now)
+        self.allocator.free(request_id)
         if seq is None:
             return False
         (self.running if seq in self.running else self.waiting).remove(seq)
@@ -92,6 +115,7 @@ class Scheduler:
     def schedule(self, now: float) -> list[Chunk]:
         """The next step: decodes first (in the policy's order), then prefill chunks."""
         self.preempted, self.prefix_hits, self.started_now = [], [], []
+        self.allocator.expire_pins(now)
         plan: list[Chunk] = []
         planned: set[int] = set()
         for seq in self.policy.decode_order(self.running):
@@ -171,6 +195,8 @@ class Scheduler:
                 seq.num_computed = seq.registered_pages = 0
                 seq.epoch += 1
                 released.append(seq.request_id)
+        if not self.allocator.can_allocate(head.request_id, head.num_computed + 1) and self.allocator.num_pinned:
+            self.allocator.drop_pins()  # a pin keeps a prefix for later, never a request from running
         if self.allocator.can_allocate(head.request_id, head.num_computed + 1):
             return released, None
         return released, head
@@ -216,6 +242,30 @@ class Scheduler:
         for i in range(seq.registered_pages, full):
             self.allocator.cache(seq.request_id, i, seq.page_hashes[i])
         seq.registered_pages = full
+
+    def _keep_prefix(self, seq: SeqState, now: float) -> None:
+        """Register the full pages of ``seq``'s generated tokens, then pin its prefix if asked.
+
+        With ``k`` tokens collected, the K/V of the first ``prompt_len + k - 1`` tokens are written by
+        collected steps (each token is fed by the step after the one that sampled it), so long as the
+        sequence never lost its pages (epoch 0): a restarted one's recompute may still be under way.
+        """
+        if not self.allocator.has(seq.request_id):
+            return
+        if seq.output_ids and seq.epoch == 0:
+            size = self.allocator.page_size
+            tokens = list(seq.prompt_ids) + seq.output_ids
+            full = min(seq.prompt_len + len(seq.output_ids) - 1, len(self.allocator.block_table(seq.request_id)) * size) // size
+            if full > seq.registered_pages:
+                seq.page_hashes = page_hashes(tokens, size, full_pages=full, start=seq.page_hashes[:seq.registered_pages])
+                for i in range(seq.registered_pages, full):
+                    self.allocator.cache(seq.request_id, i, seq.page_hashes[i])
+                seq.registered_pages = full
+        for pin in seq.pins:
+            pages = seq.registered_pages
+            if pin.tokens is not None:
+                pages = min(pages, pin.tokens // self.allocator.page_size)
+            self.allocator.pin(pin.key, seq.page_hashes[:pages], now + pin.ttl_s)
 
     # -- helpers ----------------------------------------------------------
     def _tokens_that_fit(self, seq: SeqState) -> int:

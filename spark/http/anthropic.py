@@ -19,14 +19,16 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, g, request
 
-from spark.http import spine
+from spark.http import breakpoints, spine
+from spark.http.breakpoints import CacheControl
+from spark.http.chat_prompt import chat_format
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job, stop_strings
 from spark.http.spine import Serving, request_body
 from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, ToolCallDelta, ToolChoice, TurnDone,
-                             TurnParser, collect_turn, turn_events)
+                             TurnParser, collect_turn, prepare_turn, turn_events)
 
 bp = Blueprint("anthropic", __name__)
 log = logging.getLogger("spark.http")
@@ -55,6 +57,7 @@ class Block:
     is_error: bool | None = None
     thinking: str | None = None  # thinking
     signature: str | None = None
+    cache_control: CacheControl | None = None  # keep the prompt up to here cached (spark.http.breakpoints)
 
 
 @attrs.frozen
@@ -69,6 +72,7 @@ class Tool:
     input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None  # "custom" or absent; server tools are not supported
+    cache_control: CacheControl | None = None
 
 
 @attrs.frozen
@@ -233,20 +237,31 @@ async def create_message(serving: Serving):
     given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k")}
     params = sampling_params(serving.limits, given, max_tokens=req.max_tokens)
     stops = stop_strings(req.stop_sequences)
+    marked, ttls = await spine.off_loop(breakpoints.mark, req)
     turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **await spine.off_loop(turn_kwargs, req))
     prompt, mid = turn.prompt.prompt_ids, f"msg_{secrets.token_hex(12)}"
+    pins, written = (), 0
+    if ttls and stage is None and serving.model.config.prefix_caching:
+        pins, written = await spine.off_loop(_breakpoint_pins, serving, turn, marked, ttls)
     job = single_job(mid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), stop=stops,
-                     api_key=g.api_key)
+                     api_key=g.api_key, pins=pins)
     parser = turn.parser(id_prefix=f"toolu_{secrets.token_hex(8)}")
     fanin = await spine.submit(serving, job)
     head = {"id": mid, "type": "message", "role": "assistant", "model": serving.model.served_name}
     if job.stream:
-        return spine.sse(_stream(head, len(prompt), fanin, parser), stage)
+        return spine.sse(_stream(head, len(prompt), fanin, parser, written), stage)
     done = await collect_turn(fanin, parser)
     if done.error is not None:
         raise done.error
     return spine.answer({**head, "content": content_blocks(done), **stop_fields(done),
-                         "usage": message_usage(len(prompt), done.usage)}, stage)
+                         "usage": message_usage(len(prompt), done.usage, written)}, stage)
+
+
+def _breakpoint_pins(serving: Serving, turn, marked: MessagesRequest, ttls: list[float]):
+    """The pins of ``marked``'s breakpoints in ``turn``'s prompt (renders the template once more)."""
+    model = serving.model
+    again = prepare_turn(model.tokenizer, chat_format(model.config, model.tokenizer), **turn_kwargs(marked))
+    return breakpoints.pins(model.tokenizer, turn.prompt.prompt_ids, turn.prompt.text, again.prompt.text, ttls)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -328,14 +343,16 @@ class BlockStream:
         return sse("content_block_delta", {"index": self.index, "delta": delta})
 
 
-def message_usage(prompt_tokens: int, used) -> dict:
-    """Anthropic's usage: the input tokens read from the (prefix) cache are counted apart from the others."""
+def message_usage(prompt_tokens: int, used, breakpoint_tokens: int = 0) -> dict:
+    """Anthropic's usage: of the input tokens, those read from the (prefix) cache, those computed up to
+    the last ``cache_control`` breakpoint (written to the cache for later turns), and the rest."""
     cached = min(used.cached_tokens, prompt_tokens)
-    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": used.completion_tokens}
+    written = max(0, min(breakpoint_tokens, prompt_tokens) - cached)
+    return {"input_tokens": prompt_tokens - cached - written, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": written, "output_tokens": used.completion_tokens}
 
 
-async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnParser):
+async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnParser, breakpoint_tokens: int):
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
     yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                             "usage": usage}}) + sse("ping", {})
@@ -352,7 +369,7 @@ async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnPars
                     yield sse("error", anthropic_error(event.error.status, event.error.message))
                     return
                 yield b"".join(blocks.close()) + sse("message_delta", {
-                    "delta": stop_fields(event), "usage": message_usage(prompt_tokens, event.usage)}) \
+                    "delta": stop_fields(event), "usage": message_usage(prompt_tokens, event.usage, breakpoint_tokens)}) \
                     + sse("message_stop", {})
     except Exception as exc:  # the server failed mid-stream: say so rather than cut the stream
         log.exception("message %s failed", head["id"])

@@ -14,6 +14,7 @@ import attrs
 
 from spark.actors.messages import GenerateRequest
 from spark.control.served import ServedModel
+from spark.core.scheduler import PrefixPin
 from spark.engine.sampling import MAX_LOGPROBS, SamplingParams
 from spark.http.errors import ApiError
 from spark.http.schemas import ChatRequest, CompletionRequest, MessageToolCall, SamplingFields
@@ -242,9 +243,11 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
 
 
 def single_job(request_id: str, prompt: Sequence[int], params: SamplingParams, limits: Limits, *, stream: bool,
-               stop: tuple[str, ...] = (), api_key: str | None) -> Job:
-    """The one generation of a request that has no choices (Anthropic Messages, Responses)."""
-    request = GenerateRequest(request_id, tuple(prompt), room_left(params, prompt, limits), stop=stop, api_key=api_key)
+               stop: tuple[str, ...] = (), api_key: str | None, pins: tuple[PrefixPin, ...] = ()) -> Job:
+    """The one generation of a request that has no choices (Anthropic Messages, Responses); ``pins``:
+    prefixes of it the next turn will extend (``GenerateRequest.pins``)."""
+    request = GenerateRequest(request_id, tuple(prompt), room_left(params, prompt, limits), stop=stop, api_key=api_key,
+                              pins=pins)
     return Job((request,), len(prompt), stream, include_usage=False)
 
 

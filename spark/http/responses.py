@@ -27,6 +27,7 @@ import attrs
 import trio
 from quart import Blueprint, current_app, g, request
 
+from spark.core.scheduler import PrefixPin
 from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
@@ -110,7 +111,10 @@ async def create_response(serving: Serving):
         tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget)
     rid, prompt = new_id("resp"), turn.prompt.prompt_ids
-    job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key)
+    # what the next turn extends (previous_response_id, the conversation) stays cached a while
+    pins = (PrefixPin(rid, serving.model.config.prefix_pin_ttl_s),) if req.store is not False or conversation_id else ()
+    job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key,
+                     pins=pins)
     fanin = await spine.submit(serving, job)
     head = _response_head(rid, req, serving.model.served_name, conversation_id, stage)
     tokenizer = serving.model.tokenizer
@@ -296,6 +300,9 @@ async def get_response(rid: str):
 async def delete_response(rid: str):
     if not await (await _store()).delete_response(_owner(), rid):
         raise _not_found("response", rid)
+    model = current_app.extensions["spark"].system
+    if model is not None:
+        model.unpin(rid)  # its prefix need not stay cached
     return {"id": rid, "object": "response.deleted", "deleted": True}
 
 

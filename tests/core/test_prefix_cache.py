@@ -14,6 +14,7 @@ import random
 import pytest
 
 from spark.core.page_allocator import PageAllocator, page_hashes
+from spark.core.scheduler import PrefixPin
 from spark.engine.sampling import SamplingParams
 from tests.actors.engine_double import hashed_token
 from tests.core.test_scheduler import drive, make
@@ -113,19 +114,35 @@ def test_a_whole_cached_prompt_still_computes_its_last_token():
     assert outputs["b"] == _expected({"b": prompt}, 6)["b"]
 
 
-def test_a_six_turn_chat_maps_every_earlier_turn():
-    core, engine = make("fifo", num_pages=256, page_size=4, prefix_caching=True)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_six_turn_chat_maps_every_earlier_turn_and_its_answer(depth):
+    """Each turn re-sends the last answer: its full pages were registered when it ended (all but its
+    last token, whose K/V no step computed), so the next turn maps them too."""
+    core, engine = make("fifo", num_pages=256, page_size=4, depth=depth, prefix_caching=True)
     history = list(SYSTEM)
-    hits = []
+    hits, expected = [], [0]
     for turn in range(6):
         history += [50 + turn] * 5  # the user's message
         before = engine.prefix_hits
         _submit(core, f"t{turn}", list(history))
         outputs, _ = drive(core)
         hits.append(engine.prefix_hits - before)
+        expected.append((len(history) + 6 - 1) // 4 * 4)  # prompt + answer, less the answer's last token
         history += outputs[f"t{turn}"]  # the answer, sent back with the next turn
-    assert hits[0] == 0 and all(h >= len(SYSTEM) for h in hits[1:])
-    assert hits == sorted(hits)  # each turn maps at least what the one before did
+    assert hits == expected[:6]  # the double checked that each mapped page holds these very tokens
+
+
+def test_a_cancelled_request_keeps_the_pages_it_generated():
+    core, engine = make("fifo", num_pages=256, page_size=4, depth=2, prefix_caching=True)
+    prompt = SYSTEM[:10]
+    _submit(core, "a", prompt, max_tokens=100)
+    outputs, _ = drive(core, until=lambda: "a" in core.scheduler and core.scheduler.seq("a").output_ids[10:])
+    core.cancel("a")
+    drive(core)
+    collected = core.scheduler.prefix_hit  # (nothing mapped yet)
+    _submit(core, "b", prompt + outputs["a"][:8] + [7])
+    drive(core)
+    assert collected == 0 and engine.prefix_hits == 16  # 18 known tokens: 4 full pages
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -143,8 +160,10 @@ def test_under_a_tiny_pool_eviction_never_touches_a_live_page(depth):
     for caching in (False, True):
         core, engine = make("fifo", num_pages=1 + 24, page_size=4, max_batch_size=6, max_prefill_tokens=32,
                             depth=depth, prefix_caching=caching)
-        for rid, prompt in prompts.items():
-            _submit(core, rid, prompt, max_tokens=10)
+        core.scheduler.allocator.max_pinned = 6
+        for i, (rid, prompt) in enumerate(prompts.items()):  # every third pins its prefix for a while
+            pins = [PrefixPin(rid, 0.05 * (i % 5))] if i % 3 == 0 else []
+            core.submit(rid, prompt, SamplingParams(temperature=0.0, max_tokens=10), 0.0, pins=pins)
         outputs, reasons = drive(core)
         results[caching] = (outputs, reasons, engine.prefix_hits, core.scheduler.allocator.evictions)
         assert core.scheduler.allocator.num_used == 0 and engine.sequences == {}
@@ -163,3 +182,83 @@ def test_a_request_cancelled_before_its_prefill_ran_registers_nothing():
     _submit(core, "next", SYSTEM[:16] + [5])
     outputs, _ = drive(core)  # the double refuses a mapping of pages that hold other tokens
     assert outputs["next"] == _expected({"next": SYSTEM[:16] + [5]}, 6)["next"]
+
+
+# -- pins -----------------------------------------------------------------------------
+
+
+def _cached(alloc, rid, tokens):
+    hashes = page_hashes(tokens, alloc.page_size, full_pages=len(tokens) // alloc.page_size)
+    alloc.allocate(rid, len(tokens))
+    for i, h in enumerate(hashes):
+        alloc.cache(rid, i, h)
+    return hashes
+
+
+def test_a_pinned_page_outlives_eviction_until_its_time_or_its_unpin():
+    alloc = PageAllocator(1 + 6, 4, max_pinned=3)
+    kept = _cached(alloc, "a", list(range(8)))
+    other = _cached(alloc, "b", list(range(50, 58)))
+    assert alloc.pin("resp_1", kept, until=10.0) == 2
+    alloc.free("a")
+    alloc.free("b")
+    assert alloc.num_free == 4 and alloc.num_pinned == 2 and alloc.num_used == 0  # kept: neither free nor used
+    alloc.allocate("c", 16)  # takes the two never-used pages and evicts b's two, never a's
+    assert alloc.match(other) == [] and len(alloc.match(kept)) == 2
+    alloc.free("c")
+    alloc.expire_pins(9.9)
+    assert alloc.num_pinned == 2
+    alloc.expire_pins(10.0)
+    assert alloc.num_pinned == 0 and alloc.num_free == 6 and len(alloc.match(kept)) == 2  # evictable again
+    assert alloc.pin("resp_1", kept, until=20.0) == 2
+    alloc.unpin("resp_1")
+    alloc.unpin("never")  # unknown keys: no-op
+    assert alloc.num_pinned == 0 and alloc.num_free == 6
+
+
+def test_pins_never_exceed_their_share_the_soonest_ending_gives_way():
+    alloc = PageAllocator(1 + 8, 4, max_pinned=3)
+    one = _cached(alloc, "a", list(range(8)))
+    two = _cached(alloc, "b", list(range(100, 108)))
+    assert alloc.pin("one", one, until=5.0) == 2
+    assert alloc.pin("two", two, until=9.0) == 2  # 4 > 3: "one" ends early
+    assert alloc.num_pinned == 2 and "one" not in alloc._pins
+    long = _cached(alloc, "c", list(range(200, 216)))
+    assert alloc.pin("long", long, until=1.0) == 3  # alone too long: its first three pages
+    assert alloc.num_pinned == 3
+
+
+def test_a_pinned_prefix_survives_a_flood_and_a_pin_never_keeps_a_request_out():
+    core, engine = make("fifo", num_pages=1 + 16, page_size=4, max_batch_size=1, prefix_caching=True)
+    core.scheduler.allocator.max_pinned = 8
+    stored = SYSTEM[:20]
+    core.submit("resp", stored, SamplingParams(temperature=0.0, max_tokens=4), 0.0, pins=[PrefixPin("resp", 300.0)])
+    outputs, _ = drive(core)
+    assert core.scheduler.allocator.num_pinned == 5  # 20 prompt + 3 computed answer tokens: 5 full pages
+    for i in range(6):  # a flood of other prompts cycles every unpinned page
+        _submit(core, f"flood{i}", [600 + 50 * i + k for k in range(30)], max_tokens=2)
+        drive(core)
+    assert core.scheduler.allocator.evictions > 0
+    before = engine.prefix_hits
+    _submit(core, "next", stored + outputs["resp"] + [5])
+    drive(core)
+    assert engine.prefix_hits - before == 20  # the pinned pages, all of them
+    _submit(core, "huge", list(range(300, 300 + 60)), max_tokens=2)  # needs 16 pages: the pins must go
+    out, reasons = drive(core)
+    assert reasons["huge"] == "length" and core.scheduler.allocator.num_pinned == 0
+
+
+def test_a_pin_ends_with_its_ttl_on_the_core_clock_or_when_unpinned():
+    core, _ = make("fifo", num_pages=64, page_size=4, prefix_caching=True)
+    core.submit("r1", SYSTEM[:16], SamplingParams(temperature=0.0, max_tokens=2), 0.0, pins=[PrefixPin("r1", 5.0)])
+    core.submit("r2", SYSTEM[:16], SamplingParams(temperature=0.0, max_tokens=2), 0.0,
+                pins=[PrefixPin("r2", 600.0, tokens=8)])
+    drive(core)
+    alloc = core.scheduler.allocator
+    assert alloc.num_pinned == 4 and alloc._pins["r2"][1] == alloc._pins["r1"][1][:2]
+    core.clock.advance(6.0)
+    _submit(core, "tick", [1, 2, 3])
+    drive(core)
+    assert set(alloc._pins) == {"r2"} and alloc.num_pinned == 2
+    core.unpin("r2")
+    assert alloc.num_pinned == 0

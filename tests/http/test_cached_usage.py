@@ -4,7 +4,10 @@ Anthropic ``usage.cache_read_input_tokens`` (its ``input_tokens`` counting the o
 
 from __future__ import annotations
 
+import time
+
 import anthropic
+import pytest
 
 from tests.http.conftest import API_KEY
 
@@ -46,3 +49,52 @@ def test_anthropic_reports_cache_reads_apart(server):
         assert first.usage.cache_read_input_tokens == 0
         assert again.usage.cache_read_input_tokens >= 16
         assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
+
+
+def _metric(server, name: str) -> float:
+    with server.http() as http:
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_anthropic_cache_control_writes_then_reads_its_breakpoint(server):
+    system = [{"type": "text", "text": "Desk C, tide tables. " + SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0) as client:
+        first = client.messages.create(model=server.model, system=system, max_tokens=2,
+                                       messages=[{"role": "user", "content": "When is the next spring tide?"}])
+        u = first.usage
+        total = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+        assert u.cache_read_input_tokens == 0 and 40 <= u.cache_creation_input_tokens < total  # up to the system
+        assert _metric(server, "spark_prefix_cache_pinned_pages") >= u.cache_creation_input_tokens // 16
+        again = client.messages.create(model=server.model, system=system, max_tokens=2, stream=True,
+                                       messages=[{"role": "user", "content": "Is the lock gate working?"}])
+        usage = [e.usage for e in again if e.type == "message_delta"][-1]
+        written = u.cache_creation_input_tokens
+        assert usage.cache_read_input_tokens >= written // 16 * 16  # its whole pages (and what follows alike)
+        assert usage.cache_creation_input_tokens == max(0, written - usage.cache_read_input_tokens)
+        with pytest.raises(anthropic.BadRequestError, match="ttl must be 5m or 1h"):
+            client.messages.create(model=server.model, max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}])
+
+
+def test_a_stored_response_pins_what_its_next_turn_extends_until_deleted(server):
+    client = server.client()
+    desk = "Desk D, berths. " + SYSTEM  # (instructions do not carry over to the next turn: sent again)
+    first = client.responses.create(model=server.model, instructions=desk, input="Is berth 4 free tonight?",
+                                    max_output_tokens=8)
+    pinned = _metric(server, "spark_prefix_cache_pinned_pages")
+    assert pinned >= first.usage.input_tokens // 16
+    turn = client.responses.create(model=server.model, previous_response_id=first.id, instructions=desk,
+                                   input="And berth 5?", max_output_tokens=2)
+    # the whole first prompt's pages, and those its answer filled (all but its last token's)
+    assert turn.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens + 7) // 16 * 16
+    pinned = _metric(server, "spark_prefix_cache_pinned_pages")
+    client.responses.delete(turn.id)
+    client.responses.delete(first.id)
+    gone = first.usage.input_tokens // 16  # pages no other test's pin covers (its instructions are its own)
+    deadline = time.monotonic() + 10
+    while _metric(server, "spark_prefix_cache_pinned_pages") > pinned - gone and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "spark_prefix_cache_pinned_pages") <= pinned - gone
