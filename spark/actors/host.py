@@ -50,8 +50,13 @@ def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], flo
     allocator.max_pinned = int(allocator.num_total * min(max(config.prefix_pin_share, 0.0), 1.0))
     scheduler = Scheduler(allocator, make_policy(config.scheduler, limits),
                           max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching)
+    grammars = None
+    if engine.tokenizer is not None:
+        from spark.engine.grammar import XGrammars
+
+        grammars = XGrammars(engine.tokenizer, engine.vocab_size)
     return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
-                faults=Faults.parse(config.faults))
+                faults=Faults.parse(config.faults), grammars=grammars)
 
 
 # -- the core's side ------------------------------------------------------------------------------
@@ -98,7 +103,8 @@ class CoreLoop:
             for message in batch:
                 if isinstance(message, Admit):
                     r = message.request
-                    self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited, pins=r.pins)
+                    self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited, pins=r.pins,
+                                     grammar=r.grammar)
                 elif isinstance(message, Unpin):
                     self.core.unpin(message.key)
                 else:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from spark.core.events import CoreMetrics, Event
+from spark.core.grammar import GrammarSpec
 from spark.core.scheduler import PrefixPin
 from spark.engine.sampling import SamplingParams
 from spark.serve_config import ServeConfig
@@ -39,6 +40,7 @@ class GenerateRequest:
     api_key: str | None = None  # for rate limiting; None when keys are not configured
     skip_special_tokens: bool = True
     pins: tuple[PrefixPin, ...] = ()  # prefixes to keep cached after it ends (a stored Response, cache_control)
+    grammar: GrammarSpec | None = None  # what the output must follow (a JSON schema, a forced tool call)
 
 
 @attrs.frozen

@@ -23,6 +23,7 @@ import attrs
 
 from spark.core.events import CoreMetrics, Event, Failed, Opened, PrefixHit, StepShape, TokenBatch
 from spark.core.faults import Faults, InjectedFault
+from spark.core.grammar import Grammars, GrammarSpec, Matcher
 from spark.core.interfaces import StepEngine
 from spark.core.plan import Chunk, NewSequence, StepPlan, StepResult
 from spark.core.scheduler import PrefixPin, Scheduler, SeqState
@@ -50,18 +51,23 @@ class Core:
         depth: steps launched at once (1: no overlap of host and device).
         clock: seconds, for arrivals, deadlines and step times (a fake one in simulations).
         faults: steps to raise and requests to fail on purpose (``spark.core.faults``).
+        grammars: builds the matchers of constrained requests (``spark.core.grammar``); None: a
+            request with a grammar fails.
     """
 
     def __init__(self, engine: StepEngine, scheduler: Scheduler, *, depth: int = DEFAULT_DEPTH,
-                 clock: Callable[[], float] = time.perf_counter, faults: Faults = Faults()):
+                 clock: Callable[[], float] = time.perf_counter, faults: Faults = Faults(),
+                 grammars: Grammars | None = None):
         self.engine, self.scheduler = engine, scheduler
+        self.grammars = grammars
+        self._matchers: dict[Hashable, Matcher] = {}
         self.faults = faults
         self._launches = 0
         self._admissions = 0
         self._doomed: set[Hashable] = set()  # requests a fault fails at their first result
         self.depth = max(1, depth)
         self.clock = clock
-        self._pending: dict[Hashable, tuple[NewSequence, float, tuple[PrefixPin, ...]]] = {}  # submitted, not admitted
+        self._pending: dict[Hashable, tuple[NewSequence, float, tuple[PrefixPin, ...], GrammarSpec | None]] = {}  # submitted, not admitted
         self._active: set[Hashable] = set()  # admitted, not ended
         self._added: list[NewSequence] = []  # to register with the engine in the next plan
         self._removed: list[Hashable] = []  # the engine must forget
@@ -74,11 +80,12 @@ class Core:
 
     # -- requests ---------------------------------------------------------
     def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None,
-               pins: Sequence[PrefixPin] = ()) -> None:
+               pins: Sequence[PrefixPin] = (), grammar: GrammarSpec | None = None) -> None:
         """Queue a request; it is admitted (``Opened``) when the batch has room. ``pins``: prefixes of
-        it to keep cached for a while after it ends (prefix caching only)."""
+        it to keep cached for a while after it ends (prefix caching only); ``grammar``: what its
+        output must follow."""
         arrival = self.clock() if arrival is None else arrival
-        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival, tuple(pins))
+        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival, tuple(pins), grammar)
 
     def cancel(self, request_id: Hashable) -> None:
         """End a request wherever it is (its pages are free for the next plan); unknown ids are ignored."""
@@ -146,7 +153,12 @@ class Core:
     def _admit(self, events: list[Event]) -> None:
         while self._pending and self.scheduler.has_room():
             request_id = next(iter(self._pending))
-            new, arrival, pins = self._pending.pop(request_id)
+            new, arrival, pins, grammar = self._pending.pop(request_id)
+            if grammar is not None:
+                failure = self._start_grammar(request_id, grammar)
+                if failure is not None:
+                    events += [Opened(request_id), Failed(request_id, failure)]
+                    continue
             self._active.add(request_id)
             self._admissions += 1
             if self.faults.every_nth_request and self._admissions % self.faults.every_nth_request == 0:
@@ -156,6 +168,31 @@ class Core:
             self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids, pins=pins))
             events.append(Opened(request_id))
 
+    def _start_grammar(self, request_id: Hashable, grammar: GrammarSpec) -> str | None:
+        """A matcher for the request; the reason it cannot have one, if so."""
+        if self.grammars is None:
+            return "this engine cannot constrain its output (no grammar backend)"
+        try:
+            self._matchers[request_id] = self.grammars.matcher(grammar)
+        except Exception as exc:
+            log.warning("grammar of %s failed: %s", request_id, exc)
+            return f"the grammar failed: {exc}"
+        return None
+
+    def _masked(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Put each constrained sequence's mask on its chunk that samples; it samples again only once
+        this token is collected."""
+        out = []
+        for chunk in chunks:
+            matcher = self._matchers.get(chunk.seq_id)
+            if matcher is not None:
+                seq = self.scheduler.seq(chunk.seq_id)
+                if seq.num_computed == seq.num_tokens - 1:  # the chunk reached its last token: it samples
+                    chunk = attrs.evolve(chunk, token_mask=matcher.mask())
+                    self.scheduler.awaiting_token.add(chunk.seq_id)
+            out.append(chunk)
+        return out
+
     def _launch_next(self, events: list[Event]) -> bool:
         """Plan one step and launch it; False when there is nothing to plan."""
         now = self.clock()
@@ -163,6 +200,8 @@ class Core:
         self._reset.extend(self.scheduler.preempted)
         if not chunks:
             return False
+        if self._matchers:
+            chunks = self._masked(chunks)
         for seq_id in self.scheduler.started_now:  # their first chunk
             seq = self.scheduler.seq(seq_id)
             self._queue_times.append(now - seq.arrival)
@@ -222,6 +261,8 @@ class Core:
                 if doomed in self._active:
                     self._end(doomed)
                     events.append(Failed(doomed, "the request was told to fail (faults)"))
+        if self._matchers:
+            self._advance_grammars(chunks, result.outputs, events)
         outputs = tuple(o for o in result.outputs if o.seq_id in self._active)  # not cancelled meanwhile
         if self.scheduler.prefix_caching:  # the generated tokens, for the pages they fill
             for out in outputs:
@@ -230,9 +271,21 @@ class Core:
             if out.finish_reason is not None:
                 # the engine forgot it already; only the pages and our records remain
                 self.scheduler.finish(out.seq_id, now)
+                self._matchers.pop(out.seq_id, None)
                 self._active.discard(out.seq_id)
         if outputs:
             events.append(TokenBatch(outputs, now))
+
+    def _advance_grammars(self, chunks, outputs, events: list[Event]) -> None:
+        for chunk in chunks:
+            if chunk.token_mask is not None:
+                self.scheduler.awaiting_token.discard(chunk.seq_id)
+        for out in outputs:
+            matcher = self._matchers.get(out.seq_id)
+            if matcher is not None and out.seq_id in self._active and not matcher.accept(out.token_id):
+                log.error("request %s sampled token %d, which its grammar forbids", out.seq_id, out.token_id)
+                self._end(out.seq_id)
+                events.append(Failed(out.seq_id, f"the sampled token {out.token_id} breaks the request's grammar"))
 
     def _observe(self, chunks: tuple[Chunk, ...], result: StepResult) -> None:
         """The step's time and shape. A pipelined plan names sequences that ended one step
@@ -273,6 +326,7 @@ class Core:
     def _end(self, request_id: Hashable, *, kept: bool = False) -> None:
         """End a request the engine did not end; ``kept``: its computed prefix stays cached (a cancel)."""
         self.scheduler.finish(request_id, self.clock() if kept else None)
+        self._matchers.pop(request_id, None)
         self._active.discard(request_id)
         self._doomed.discard(request_id)
         unregistered = [n for n in self._added if n.seq_id == request_id]

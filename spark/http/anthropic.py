@@ -244,7 +244,7 @@ async def create_message(serving: Serving):
     if ttls and stage is None and serving.model.config.prefix_caching:
         pins, written = await spine.off_loop(_breakpoint_pins, serving, turn, marked, ttls)
     job = single_job(mid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), stop=stops,
-                     api_key=g.api_key, pins=pins)
+                     api_key=g.api_key, pins=pins, grammar=turn.grammar)
     parser = turn.parser(id_prefix=f"toolu_{secrets.token_hex(8)}")
     fanin = await spine.submit(serving, job)
     head = {"id": mid, "type": "message", "role": "assistant", "model": serving.model.served_name}

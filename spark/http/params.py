@@ -14,9 +14,11 @@ import attrs
 
 from spark.actors.messages import GenerateRequest
 from spark.control.served import ServedModel
+from spark.core.grammar import GrammarSpec
 from spark.core.scheduler import PrefixPin
 from spark.engine.sampling import MAX_LOGPROBS, SamplingParams
 from spark.http.errors import ApiError
+from spark.http.structured import output_schema
 from spark.http.schemas import ChatRequest, CompletionRequest, MessageToolCall, SamplingFields
 from spark.http.turn import ToolChoice, effort_thinking
 
@@ -201,7 +203,7 @@ def chat_turn(req: ChatRequest) -> dict:
     return {"messages": chat_messages(req), "tools": chat_tools(req), "tool_choice": tool_choice(req),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "chat_template_kwargs": req.chat_template_kwargs or {}, "enable_thinking": enable_thinking,
-            "thinking_budget": budget}
+            "thinking_budget": budget, "output_schema": output_schema(req.response_format, param="response_format")}
 
 
 def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[list[int]]:
@@ -219,7 +221,7 @@ def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[l
 
 
 def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[int]], params: SamplingParams,
-              limits: Limits, *, api_key: str | None) -> Job:
+              limits: Limits, *, api_key: str | None, grammar: GrammarSpec | None = None) -> Job:
     """One ``GenerateRequest`` per prompt and choice, ``max_tokens`` capped to the context left.
 
     With a seed, choice ``i`` of a prompt uses ``seed + i``: the choices differ but reproduce.
@@ -237,17 +239,18 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
             requests.append(GenerateRequest(
                 request_id=f"{request_id}-{p * n + i}", prompt_ids=tuple(prompt),
                 params=attrs.evolve(capped, seed=seed), stop=stop, api_key=api_key,
-                skip_special_tokens=req.skip_special_tokens is not False))
+                skip_special_tokens=req.skip_special_tokens is not False, grammar=grammar))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage)
 
 
 def single_job(request_id: str, prompt: Sequence[int], params: SamplingParams, limits: Limits, *, stream: bool,
-               stop: tuple[str, ...] = (), api_key: str | None, pins: tuple[PrefixPin, ...] = ()) -> Job:
+               stop: tuple[str, ...] = (), api_key: str | None, pins: tuple[PrefixPin, ...] = (),
+               grammar: GrammarSpec | None = None) -> Job:
     """The one generation of a request that has no choices (Anthropic Messages, Responses); ``pins``:
     prefixes of it the next turn will extend (``GenerateRequest.pins``)."""
     request = GenerateRequest(request_id, tuple(prompt), room_left(params, prompt, limits), stop=stop, api_key=api_key,
-                              pins=pins)
+                              pins=pins, grammar=grammar)
     return Job((request,), len(prompt), stream, include_usage=False)
 
 

@@ -38,6 +38,7 @@ class ResponsesRequest:
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}} (spark.http.structured)
     user: str | None = None
 
 

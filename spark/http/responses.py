@@ -36,6 +36,7 @@ from spark.http.params import sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
                                        chat_messages, chat_tools, input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
+from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
 from spark.state import AsyncStore, Store, owner_of
 
@@ -109,12 +110,13 @@ async def create_response(serving: Serving):
     turn, stage = await spine.fit_turn(
         serving, chat_messages(req.instructions, history + items), max_tokens=req.max_output_tokens,
         tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
-        parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget)
+        parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget,
+        output_schema=output_schema((req.text or {}).get("format"), param="text.format"))
     rid, prompt = new_id("resp"), turn.prompt.prompt_ids
     # what the next turn extends (previous_response_id, the conversation) stays cached a while
     pins = (PrefixPin(rid, serving.model.config.prefix_pin_ttl_s),) if req.store is not False or conversation_id else ()
     job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key,
-                     pins=pins)
+                     pins=pins, grammar=turn.grammar)
     fanin = await spine.submit(serving, job)
     head = _response_head(rid, req, serving.model.served_name, conversation_id, stage)
     tokenizer = serving.model.tokenizer
@@ -176,7 +178,7 @@ def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id:
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
             "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "background": False, "user": req.user}
+            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "background": False, "user": req.user}
     return spine.with_stage(head, stage)
 
 

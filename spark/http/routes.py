@@ -83,7 +83,8 @@ async def chat_completions(serving: Serving):
     params, kwargs = await spine.off_loop(_chat_inputs, req, limits, max_tokens)
     turn, stage = await spine.fit_turn(serving, kwargs.pop("messages"), max_tokens=max_tokens, **kwargs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    job = build_job(rid, req, [turn.prompt.prompt_ids], turn.sampling(params), limits, api_key=g.api_key)
+    job = build_job(rid, req, [turn.prompt.prompt_ids], turn.sampling(params), limits, api_key=g.api_key,
+                    grammar=turn.grammar)
     parsers = [turn.parser() for _ in job.requests]
     head = {"id": rid, "created": int(time.time()), "model": limits.served_name}
     fanin = await spine.submit(serving, job)

@@ -120,6 +120,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None  # "none" | "minimal" | "low" | "medium" | "high"
     thinking_budget: int | None = None  # Spark's own: reasoning tokens at most
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema (spark.http.structured)
 
 
 @attrs.frozen(kw_only=True)

@@ -51,6 +51,8 @@ from spark.engine.sampling import SamplingParams
 from spark.http.chat_prompt import (EFFORT_BUDGETS, ChatFormat, RenderedPrompt, ToolChoice, chat_format, check_tools,
                                     effort_thinking, engine_thinking_budget, render_chat, template_messages)
 from spark.control.served import GenerationStream, ServedModel
+from spark.core.grammar import GrammarSpec
+from spark.http import structured
 from spark.http.errors import ApiError
 from spark.http.fanin import StreamFailed, tagged
 from spark.parsers import (ChatOutputParser, ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta,
@@ -225,6 +227,8 @@ class PreparedTurn:
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     thinking_budget: int | None  # for the engine; None: unlimited
+    grammar: GrammarSpec | None = None  # what decoding follows (spark.http.structured); None: free
+    tool_parser: str | None = None  # the format calls are read in (the model's, or the one a grammar forces)
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """``params`` with this turn's thinking budget and start state."""
@@ -233,7 +237,7 @@ class PreparedTurn:
 
     def parser(self, *, id_prefix: str | None = None) -> TurnParser:
         """A fresh parser for one reply (one per choice)."""
-        return TurnParser(self.fmt.tool_parser if self.tools else None, self.fmt.reasoning, self.tools,
+        return TurnParser(self.tool_parser if self.tools else None, self.fmt.reasoning, self.tools,
                           self.prompt.prompt_ends_in_thinking, tool_choice=self.tool_choice,
                           parallel_tool_calls=self.parallel_tool_calls, id_prefix=id_prefix)
 
@@ -241,7 +245,8 @@ class PreparedTurn:
 def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any]], *,
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = ToolChoice(),
                  parallel_tool_calls: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 enable_thinking: bool | None = None, thinking_budget: int | None = None) -> PreparedTurn:
+                 enable_thinking: bool | None = None, thinking_budget: int | None = None,
+                 output_schema: str | None = None) -> PreparedTurn:
     """Check the tools and the tool choice, render the prompt, and settle thinking.
 
     Renders the chat template: call it off the event loop.
@@ -256,6 +261,7 @@ def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any
       chat_template_kwargs: more template variables (``enable_thinking`` among them).
       enable_thinking: the API's thinking switch, or None.
       thinking_budget: reasoning tokens asked for, or None (capped by the server's maximum).
+      output_schema: the JSON schema (text) the answer must follow, or None (``structured.output_schema``).
 
     Returns:
       The ``PreparedTurn``.
@@ -274,7 +280,13 @@ def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any
     prompt = render_chat(tokenizer, messages, fmt=fmt, tools=offered, chat_template_kwargs=chat_template_kwargs,
                          enable_thinking=enable_thinking)
     budget = engine_thinking_budget(fmt, prompt.thinking_enabled, thinking_budget)
-    return PreparedTurn(prompt, fmt, offered, tool_choice, parallel_tool_calls, budget)
+    reasoning = structured.reasoning_mode(fmt.reasoning, prompt.thinking_enabled, prompt.prompt_ends_in_thinking)
+    grammar = structured.turn_grammar(tool_parser=fmt.tool_parser, tools=offered, tool_choice=tool_choice,
+                                      parallel_tool_calls=parallel_tool_calls, schema=output_schema, reasoning=reasoning)
+    parser = fmt.tool_parser
+    if parser is None and grammar is not None and structured.constrains_calls(offered, tool_choice):
+        parser = structured.FORCED_DEFAULT_PARSER  # the format the grammar wrote the calls in
+    return PreparedTurn(prompt, fmt, offered, tool_choice, parallel_tool_calls, budget, grammar, parser)
 
 
 async def turn_steps(pieces: AsyncIterable[tuple[int, RequestOutput]], parsers: Sequence[TurnParser]

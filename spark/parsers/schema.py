@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,27 @@ def convert_value(text: str, schema: dict[str, Any] | None) -> Any:
         ok, value = convert(text.strip())
         if ok:
             return value
+    if text != text.strip() and not _string_fits(text, schema) and _string_fits(text.strip(), schema):
+        return text.strip()  # the blanks a grammar may let a forced call put around a value are the format's
     return text
+
+
+def _string_fits(text: str, schema: Any) -> bool:
+    """Whether ``text`` meets a string schema's enum, length and pattern (True without such a schema)."""
+    if not isinstance(schema, dict):
+        return True
+    if isinstance(schema.get("enum"), list) and text not in schema["enum"]:
+        return False
+    if isinstance(schema.get("maxLength"), int) and len(text) > schema["maxLength"]:
+        return False
+    if isinstance(schema.get("minLength"), int) and len(text) < schema["minLength"]:
+        return False
+    if isinstance(schema.get("pattern"), str):
+        try:
+            return re.search(schema["pattern"], text) is not None
+        except re.error:
+            return True
+    return True
 
 
 def _types(schema: Any) -> list[str]:
@@ -63,7 +84,7 @@ def _reject_constant(name: str) -> Any:
 def load_json(text: str) -> tuple[bool, Any]:
     """`json.loads` that refuses NaN and Infinity (they are not JSON); returns (ok, value)."""
     try:
-        return True, json.loads(text, parse_constant=_reject_constant)
+        return True, json.loads(text, parse_constant=_reject_constant, strict=False)  # raw control characters in strings: taken
     except (ValueError, RecursionError):
         return False, None
 

@@ -1,0 +1,37 @@
+"""What the core asks of a grammar: the tokens allowed next, and each token that was taken.
+
+A request that must follow a grammar (a JSON schema, a forced tool call) carries a ``GrammarSpec``;
+the core asks its ``Grammars`` for a ``Matcher`` when it admits it, puts the matcher's mask on every
+chunk of it that samples, and tells the matcher each token collected. The mask of a token depends
+on the token before, so a constrained sequence samples again only once its last token is collected:
+the pipelined step planned meanwhile leaves it out (the others still decode).
+``spark.engine.grammar`` implements this with xgrammar.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+
+
+@attrs.frozen
+class GrammarSpec:
+    """A grammar as plain text: ``kind`` "json_schema" (``source``: the schema's JSON; "{}" any JSON
+    value), or "structural_tag" (``source``: xgrammar's structural tag JSON)."""
+
+    kind: str
+    source: str
+
+
+class Matcher(Protocol):
+    def mask(self) -> bytes:
+        """The tokens allowed next: bit i of the little-endian bytes allows token i."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False if the grammar does not allow it (the state is unchanged)."""
+
+
+class Grammars(Protocol):
+    def matcher(self, spec: GrammarSpec) -> Matcher:
+        """A fresh matcher of ``spec`` (compiled once per spec). Raises ValueError for a bad grammar."""

@@ -1,0 +1,104 @@
+"""Grammars for constrained decoding, by xgrammar: compiled against the served tokenizer, cached by spec.
+
+``XGrammars`` is the ``spark.core.grammar.Grammars`` the core uses: a ``GrammarSpec`` compiles once
+(xgrammar's compiler caches too) and each request gets its own ``GrammarMatcher``, whose bitmask
+(int32 words, token i at bit i % 32 of word i // 32) goes to the engine as bytes. ``check`` compiles
+a spec without a tokenizer, so that the HTTP layer refuses a bad one with a 400 before it queues.
+xgrammar is imported at first use: a server that never constrains never pays its import.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from typing import Sequence
+
+from spark.core.grammar import GrammarSpec
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def check(spec: GrammarSpec) -> None:
+    """Raise ValueError (naming the problem) when xgrammar cannot build ``spec``."""
+    xgr = _xgr()
+    try:
+        if spec.kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec.source)
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(spec.source)
+        else:
+            raise ValueError(f"unknown grammar kind {spec.kind!r}")
+    except Exception as exc:  # xgrammar raises its own errors (InvalidJSONError, RuntimeError, ...)
+        raise ValueError(_message(exc)) from None
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's message without its "[time] file.cc:line:" prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+
+
+class XMatcher:
+    def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int]):
+        xgr = _xgr()
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._stop = stop_token_ids
+
+    def mask(self) -> bytes:
+        if self._matcher.is_terminated():  # (a request that ignores EOS): only the stop tokens, again
+            self._bitmask.zero_()
+            for t in self._stop:
+                self._bitmask[0, t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
+        else:
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask.numpy().tobytes()
+
+    def accept(self, token_id: int) -> bool:
+        if self._matcher.is_terminated():
+            return True  # past the end (the stop token was taken): nothing is left to check
+        return self._matcher.accept_token(token_id)
+
+
+class XGrammars:
+    """xgrammar over ``tokenizer`` (``spark.engine.tokenizer.Tokenizer``) for a model of ``vocab_size`` logits."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int] = ()):
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._stop = list(stop_token_ids) or list(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._lock = threading.Lock()
+        self._compiler = None
+
+    def _compiler_now(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                from transformers import PreTrainedTokenizerFast
+
+                backend = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
+                info = xgr.TokenizerInfo.from_huggingface(backend, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop)
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    @functools.lru_cache(maxsize=256)
+    def compiled(self, spec: GrammarSpec):
+        compiler = self._compiler_now()
+        try:
+            if spec.kind == "json_schema":
+                if spec.source.strip() in ("{}", ""):
+                    return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema(spec.source)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.source)
+        except Exception as exc:
+            raise ValueError(f"cannot compile the grammar: {_message(exc)}") from None
+        raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def matcher(self, spec: GrammarSpec) -> XMatcher:
+        return XMatcher(self.compiled(spec), self.vocab_size, self._stop)

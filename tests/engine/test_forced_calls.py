@@ -1,0 +1,73 @@
+"""The grammar alone makes a forced call valid (issue 21): random weights, which know no format, with
+the default model's tokenizer; for each tool-call format (hermes, qwen3_coder, minimax) every forced
+call parses with that format's parser and its arguments validate against the tool's schema."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from spark.core.core import Core
+from spark.core.events import Failed, TokenBatch
+from spark.core.policies import Limits, make_policy
+from spark.core.scheduler import Scheduler
+from spark.engine.engine import Engine
+from spark.engine.grammar import XGrammars
+from spark.engine.sampling import SamplingParams
+from spark.engine.weights.dummy import dummy_config
+from spark.http.chat_prompt import ToolChoice
+from spark.http.structured import turn_grammar
+from spark.parsers import tool_parser
+
+import attrs
+import torch
+
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": params}} for name, params in (
+    ("set_alarm", {"type": "object", "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        "label": {"type": "string", "maxLength": 6}}, "required": ["hour", "label"]}),
+    ("move", {"type": "object", "properties": {
+        "direction": {"enum": ["north", "south"]}, "steps": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["direction"]}),
+    ("mute", {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}))]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def random_engine(engine):
+    """Random weights of a tiny shape over the default model's vocabulary (its tokenizer decodes them)."""
+    config = attrs.evolve(dummy_config("tiny-llama"), vocab_size=engine.vocab_size)
+    return Engine.load("dummy", dummy_config=config, device="cpu", dtype=torch.float32, progress=False,
+                       kv_cache_tokens=4096), engine.tokenizer
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "minimax"])
+def test_forced_calls_on_random_weights_are_all_valid(random_engine, fmt):
+    model, tokenizer = random_engine
+    grammar = turn_grammar(tool_parser=fmt, tools=TOOLS, tool_choice=ToolChoice("required"),
+                           parallel_tool_calls=False, schema=None, reasoning="disabled")
+    core = Core(model, Scheduler(model.new_page_allocator(), make_policy("fifo", Limits()), max_batch_size=16),
+                grammars=XGrammars(tokenizer, model.vocab_size))
+    prompt = tokenizer.encode("Call a tool.")
+    for i in range(20):
+        params = SamplingParams(temperature=1.0, max_tokens=160, seed=i, stop_token_ids=tokenizer.eos_token_ids)
+        core.submit(i, prompt, params, grammar=grammar)
+    out: dict = {i: [] for i in range(20)}
+    reasons = {}
+    while core.busy:
+        for event in core.step():
+            if isinstance(event, Failed):
+                raise AssertionError(event.error)
+            if isinstance(event, TokenBatch):
+                for o in event.outputs:
+                    out[o.seq_id].append(o.token_id)
+                    if o.finish_reason:
+                        reasons[o.seq_id] = o.finish_reason
+    assert set(reasons.values()) == {"stop"}, reasons  # each ended by the grammar (EOS), not by max_tokens
+    for ids in out.values():
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        parsed = tool_parser(fmt, TOOLS).parse(text)
+        assert len(parsed.tool_calls) == 1 and not parsed.content.strip(), text
+        call = parsed.tool_calls[0]
+        assert not call.unknown
+        jsonschema.validate(call.arguments, SCHEMAS[call.name])
