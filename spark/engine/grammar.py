@@ -17,6 +17,11 @@ from typing import Sequence
 from spark.core.grammar import GrammarSpec
 
 
+# Blanks in a row a JSON answer may hold: enough to indent, too few for a small model to spin on
+# newlines until its max_tokens (the one way a grammar-valid prefix would still not parse).
+JSON_MAX_WHITESPACE = 6
+
+
 def _xgr():
     import xgrammar
 
@@ -28,7 +33,7 @@ def check(spec: GrammarSpec) -> None:
     xgr = _xgr()
     try:
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.source)
+            xgr.Grammar.from_json_schema(spec.source, max_whitespace_cnt=JSON_MAX_WHITESPACE)
         elif spec.kind == "structural_tag":
             xgr.Grammar.from_structural_tag(spec.source)
         else:
@@ -91,9 +96,7 @@ class XGrammars:
         compiler = self._compiler_now()
         try:
             if spec.kind == "json_schema":
-                if spec.source.strip() in ("{}", ""):
-                    return compiler.compile_builtin_json_grammar()
-                return compiler.compile_json_schema(spec.source)
+                return compiler.compile_json_schema(spec.source or "{}", max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if spec.kind == "structural_tag":
                 return compiler.compile_structural_tag(spec.source)
         except Exception as exc:

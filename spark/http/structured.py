@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from spark.core.grammar import GrammarSpec
+from spark.engine.grammar import JSON_MAX_WHITESPACE
 from spark.http.errors import ApiError
 
 # Spark's tool-call parsers -> xgrammar's model formats that write the same syntax
@@ -139,7 +140,7 @@ def _calls_only(node: Any, parallel: bool) -> Any:
 def _json_spec(schema: str, reasoning: str) -> GrammarSpec:
     if reasoning == "disabled":
         return GrammarSpec("json_schema", schema)
-    answer = {"type": "json_schema", "json_schema": json.loads(schema)}
+    answer = {"type": "json_schema", "json_schema": json.loads(schema), "max_whitespace_cnt": JSON_MAX_WHITESPACE}
     think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}
     if reasoning == "enabled":
         fmt: dict = {"type": "sequence", "elements": [think, answer]}
