@@ -18,19 +18,11 @@ from spark.engine.weights.dummy import dummy_config
 from spark.http.chat_prompt import ToolChoice
 from spark.http.structured import turn_grammar
 from spark.parsers import tool_parser
+from tests.grammar_cases import FORCED_SCHEMAS as SCHEMAS, FORCED_TOOLS as TOOLS
 
 import attrs
 import torch
 
-TOOLS = [{"type": "function", "function": {"name": name, "parameters": params}} for name, params in (
-    ("set_alarm", {"type": "object", "properties": {
-        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-        "label": {"type": "string", "maxLength": 6}}, "required": ["hour", "label"]}),
-    ("move", {"type": "object", "properties": {
-        "direction": {"enum": ["north", "south"]}, "steps": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["direction"]}),
-    ("mute", {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}))]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")

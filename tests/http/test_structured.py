@@ -10,14 +10,9 @@ import jsonschema
 import openai
 import pytest
 
+from tests.grammar_cases import PERSON
 from tests.http.conftest import API_KEY
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["pilot", "crane operator", "clerk"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
-    "required": ["name", "age", "role"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": name, "description": desc, "parameters": params}}
          for name, desc, params in (
     ("get_tide", "High and low tide at a port", {"type": "object", "properties": {

@@ -1,0 +1,139 @@
+"""Grammar-constrained decoding on the CUDA path (issue 21): masks applied by the GPU sampler.
+
+    python scripts/gpu_grammar_check.py --tokenizer DIR [--model dummy:llama-3.1-8b] [--out FILE]
+
+Dummy weights of a real shape (bf16, Triton kernels) over a real tokenizer's vocabulary (``DIR`` holds
+its tokenizer.json): for each tool-call format 16 forced calls at temperature 1.0, and 16 JSON answers
+to a schema, all in one batch. Writes each output's text (``tests/engine/test_forced_calls.py``'s
+checks, run on them where jsonschema is installed: ``--validate FILE``) and the decode rate of the
+batch with and without grammars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import attrs
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # the repo: spark, tests
+
+
+def generate(core, requests) -> tuple[dict, float, int]:
+    from spark.core.events import Failed, TokenBatch
+
+    for rid, prompt, params, grammar in requests:
+        core.submit(rid, prompt, params, grammar=grammar)
+    out, tokens, t0 = {rid: [] for rid, *_ in requests}, 0, time.perf_counter()
+    while core.busy:
+        for event in core.step():
+            if isinstance(event, Failed):
+                raise RuntimeError(f"{event.request_id}: {event.error}")
+            if isinstance(event, TokenBatch):
+                for o in event.outputs:
+                    out[o.seq_id].append(o.token_id)
+                    tokens += 1
+    return out, time.perf_counter() - t0, tokens
+
+
+def run(args) -> dict:
+    from spark.core.core import Core
+    from spark.core.policies import Limits, make_policy
+    from spark.core.scheduler import Scheduler
+    from spark.engine.engine import Engine
+    from spark.engine.grammar import XGrammars
+    from spark.engine.sampling import SamplingParams
+    from spark.engine.tokenizer import Tokenizer
+    from spark.engine.weights.dummy import dummy_config
+    from spark.http.chat_prompt import ToolChoice
+    from spark.http.structured import turn_grammar, output_schema
+    from tests.grammar_cases import BOUNDED_PERSON as PERSON, FORCED_TOOLS as TOOLS
+
+    tokenizer = Tokenizer.from_hf_dir(args.tokenizer)
+    preset = args.model.removeprefix("dummy:")
+    config = attrs.evolve(dummy_config(preset), vocab_size=tokenizer.vocab_size)
+    engine = Engine.load("dummy", dummy_config=config, device=args.device, progress=False, max_model_len=2048)
+    grammars = XGrammars(tokenizer, engine.vocab_size)
+
+    def core():
+        return Core(engine, Scheduler(engine.new_page_allocator(), make_policy("fifo", Limits()), max_batch_size=64),
+                    grammars=grammars)
+
+    prompt = tokenizer.encode("Call a tool.")
+    requests = []
+    for fmt in ("hermes", "qwen3_coder", "minimax"):
+        grammar = turn_grammar(tool_parser=fmt, tools=TOOLS, tool_choice=ToolChoice("required"),
+                               parallel_tool_calls=False, schema=None, reasoning="disabled")
+        requests += [((fmt, i), prompt, SamplingParams(temperature=1.0, max_tokens=160, seed=i,
+                                                       stop_token_ids=tokenizer.eos_token_ids), grammar)
+                     for i in range(16)]
+    person = turn_grammar(tool_parser=None, tools=None, tool_choice=ToolChoice("auto"), parallel_tool_calls=True,
+                          schema=output_schema({"type": "json_schema", "json_schema": {"schema": PERSON}},
+                                               param="response_format"), reasoning="disabled")
+    requests += [(("json", i), prompt, SamplingParams(temperature=1.0, max_tokens=200, seed=i,
+                                                      stop_token_ids=tokenizer.eos_token_ids), person)
+                 for i in range(16)]
+    generate(core(), requests[:4])  # warm-up (kernels, grammar compiles)
+    out, seconds, tokens = generate(core(), requests)
+    texts = {f"{k[0]}/{k[1]}": tokenizer.decode(v, skip_special_tokens=True) for k, v in out.items()}
+    free = [(rid, p, attrs.evolve(params, stop_token_ids=(), ignore_eos=True, max_tokens=64), None)
+            for rid, p, params, _ in requests]
+    generate(core(), free[:4])
+    _, free_s, free_tokens = generate(core(), free)
+    constrained = [(rid, p, attrs.evolve(params, stop_token_ids=(), ignore_eos=True, max_tokens=64), g)
+                   for rid, p, params, g in requests]
+    _, masked_s, masked_tokens = generate(core(), constrained)
+    return {"check": "gpu_grammar", "model": args.model, "device": args.device, "requests": len(requests),
+            "texts": texts, "tok_s_constrained_run": round(tokens / seconds, 1),
+            "batch64_tok_s_free": round(free_tokens / free_s, 1),
+            "batch64_tok_s_constrained_ignore_eos": round(masked_tokens / masked_s, 1)}
+
+
+def validate(path: str) -> dict:
+    import jsonschema
+
+    from spark.parsers import tool_parser
+    from tests.grammar_cases import BOUNDED_PERSON as PERSON, FORCED_SCHEMAS as SCHEMAS, FORCED_TOOLS as TOOLS
+
+    entry = json.load(open(path))
+    valid = {}
+    for key, text in entry["texts"].items():
+        fmt = key.split("/")[0]
+        try:
+            if fmt == "json":
+                jsonschema.validate(json.loads(text), PERSON)
+            else:
+                parsed = tool_parser(fmt, TOOLS).parse(text)
+                assert len(parsed.tool_calls) == 1 and not parsed.content.strip()
+                jsonschema.validate(parsed.tool_calls[0].arguments, SCHEMAS[parsed.tool_calls[0].name])
+            ok = True
+        except Exception:
+            ok = False
+        valid.setdefault(fmt, [0, 0])
+        valid[fmt][0] += ok
+        valid[fmt][1] += 1
+    return {fmt: f"{a}/{n} valid" for fmt, (a, n) in valid.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="gpu-grammar-check.json")
+    ap.add_argument("--validate", help="check the texts of a written FILE instead")
+    args = ap.parse_args()
+    if args.validate:
+        print(json.dumps(validate(args.validate)))
+        return 0
+    entry = run(args)
+    print(json.dumps({k: v for k, v in entry.items() if k != "texts"}))
+    with open(args.out, "w") as f:
+        json.dump(entry, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
