@@ -85,10 +85,14 @@ def run(args) -> dict:
     constrained = [(rid, p, attrs.evolve(params, stop_token_ids=(), ignore_eos=True, max_tokens=64), g)
                    for rid, p, params, g in requests]
     _, masked_s, masked_tokens = generate(core(), constrained)
+    _, one_free_s, one_free = generate(core(), free[:1])
+    _, one_masked_s, one_masked = generate(core(), constrained[:1])
     return {"check": "gpu_grammar", "model": args.model, "device": args.device, "requests": len(requests),
+            "batch1_tok_s_free": round(one_free / one_free_s, 1),
+            "batch1_tok_s_constrained": round(one_masked / one_masked_s, 1),
             "texts": texts, "tok_s_constrained_run": round(tokens / seconds, 1),
-            "batch64_tok_s_free": round(free_tokens / free_s, 1),
-            "batch64_tok_s_constrained_ignore_eos": round(masked_tokens / masked_s, 1)}
+            f"batch{len(free)}_tok_s_free": round(free_tokens / free_s, 1),
+            f"batch{len(free)}_tok_s_constrained": round(masked_tokens / masked_s, 1)}
 
 
 def validate(path: str) -> dict:

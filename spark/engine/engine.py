@@ -338,16 +338,19 @@ class Engine:
 
     def _token_mask(self, masks: list[bytes | None]) -> torch.Tensor:
         """[rows, V] bool from each chunk's packed mask (bit i of the little-endian bytes: token i
-        allowed; xgrammar's int32 bitmask read as bytes); a row without one allows every token."""
+        allowed; xgrammar's int32 bitmask read as bytes); a row without one allows every token.
+        The packed bytes cross to the device and are unpacked there: an eighth of the bool rows' size."""
         import numpy as np
 
         vocab = self.config.vocab_size
-        rows = np.ones((len(masks), vocab), dtype=bool)
+        width = -(-vocab // 8)
+        packed = np.full((len(masks), width), 0xFF, dtype=np.uint8)
         for row, mask in enumerate(masks):
             if mask is not None:
-                bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")  # (sized by launch)
-                rows[row] = bits[:vocab].astype(bool)
-        return torch.from_numpy(rows).to(self.device, non_blocking=True)
+                packed[row] = np.frombuffer(mask, dtype=np.uint8, count=width)  # (sized by launch)
+        shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
+        words = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        return ((words.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, :vocab].bool()
 
     def collect(self) -> list[TokenOutput]:
         """Wait for the oldest launched step; its ``TokenOutput``s, in plan order."""
