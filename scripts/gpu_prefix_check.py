@@ -24,9 +24,10 @@ from spark.engine.engine import Engine
 from spark.engine.sampling import SamplingParams
 
 
-def run(engine: Engine, caching: bool, prompts: dict, turns: int, max_tokens: int) -> tuple[dict, int]:
-    core = Core(engine, Scheduler(engine.new_page_allocator(), make_policy("fifo", Limits(max_prefill_tokens=4096)),
-                                  max_batch_size=16, prefix_caching=caching))
+def run(engine: Engine, caching: bool, prompts: dict, turns: int, max_tokens: int, *, batch: int = 16,
+        prefill: int = 4096) -> tuple[dict, int]:
+    core = Core(engine, Scheduler(engine.new_page_allocator(), make_policy("fifo", Limits(max_prefill_tokens=prefill)),
+                                  max_batch_size=batch, prefix_caching=caching))
     out: dict = {}
     history = dict(prompts)
     for turn in range(turns):
@@ -59,13 +60,20 @@ def main() -> int:
     prompts["mid"] = shared[: args.prefix - 7] + [11] * 20  # diverges inside a page
     plain, _ = run(engine, False, prompts, 3, 16)
     cached, hit = run(engine, True, prompts, 3, 16)
-    tokens = sum(len(v) for v in plain.values())
-    agree = sum(a[0] == b[0] for k in plain for a, b in zip(plain[k], cached[k]))
-    first_diff = sum(1 for k in plain if [t for t, _ in plain[k]] != [t for t, _ in cached[k]])
-    worst = max(abs(a[1] - b[1]) for k in plain for a, b in zip(plain[k], cached[k]) if a[0] == b[0])
-    entry = {"check": "gpu_prefix", "model": args.model, "sequences": len(plain), "tokens": tokens,
-             "tokens_agree": agree, "sequences_differing": first_diff, "max_logprob_diff_same_token": round(worst, 5),
-             "prefix_hit_tokens": hit}
+    # the control: no cache either side, other batching and chunking (how far bf16 alone moves these logits)
+    other, _ = run(engine, False, prompts, 3, 16, batch=3, prefill=512)
+
+    def compare(a: dict, b: dict) -> dict:
+        agree = sum(x[0] == y[0] for k in a for x, y in zip(a[k], b[k]))
+        differing = sum(1 for k in a if [t for t, _ in a[k]] != [t for t, _ in b[k]])
+        worst = max(abs(x[1] - y[1]) for k in a for x, y in zip(a[k], b[k]) if x[0] == y[0])
+        first = max(abs(a[k][0][1] - b[k][0][1]) for k in a)  # the first token's: the same prompt, computed two ways
+        return {"tokens_agree": agree, "sequences_differing": differing, "max_logprob_diff_same_token": round(worst, 5),
+                "max_first_token_logprob_diff": round(first, 5)}
+
+    entry = {"check": "gpu_prefix", "model": args.model, "sequences": len(plain),
+             "tokens": sum(len(v) for v in plain.values()), "prefix_hit_tokens": hit,
+             "cache_vs_plain": compare(plain, cached), "control_plain_vs_plain_other_batching": compare(plain, other)}
     print(json.dumps(entry))
     with open(args.out, "w") as f:
         json.dump(entry, f, indent=1)

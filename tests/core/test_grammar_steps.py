@@ -64,11 +64,15 @@ def test_a_constrained_row_carries_its_mask_and_never_has_two_tokens_in_flight()
     assert all(a + b <= 1 for a, b in zip(in_flight, in_flight[1:]))  # never in two consecutive (pipelined) steps
 
 
-def test_a_token_the_grammar_refuses_fails_the_request_and_a_bad_grammar_fails_at_once():
-    core, _ = _core(depth=1, refuse_after=3)
+def test_a_token_the_grammar_refuses_ends_the_constraint_and_a_bad_grammar_fails_at_once():
+    """A refused token means the engine did not apply the mask (a replaying double): the request goes on
+    unconstrained, so that the checks after generation (tool_choice) still answer for it."""
+    core, grammars = _core(depth=1, refuse_after=3)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     core.submit("strict", [1, 2, 3], params, 0.0, grammar=GrammarSpec("json_schema", "{}"))
     core.submit("broken", [1, 2, 3], params, 0.0, grammar=GrammarSpec("json_schema", "bad"))
     outputs, reasons = drive(core)
-    assert reasons == {"strict": "error", "broken": "error"} and "broken" not in outputs
+    assert reasons == {"strict": "length", "broken": "error"} and "broken" not in outputs
+    assert len(outputs["strict"]) == 12 and grammars.made[0].masks == 4  # 3 accepted, the 4th refused
+    assert not core._matchers
     assert core.scheduler.allocator.num_used == 0
