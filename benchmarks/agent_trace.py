@@ -23,12 +23,11 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 
-from serving import metric_values, percentile, wait_for_graphs, wait_healthy
+from serving import metric_values, percentile, stop_server, wait_for_graphs, wait_healthy
 
 ENGLISH = ("harbour tide berth cargo vessel pilot crane manifest customs anchor channel dredging lock gate quay "
            "container schedule weather draught ballast tug mooring bollard pier warehouse forklift invoice").split()
@@ -141,11 +140,7 @@ def run(args, caching: bool, system: str, synthetic: bool) -> dict:
         result.update(warm)
         return result
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def main() -> int:

@@ -26,7 +26,6 @@ import argparse
 import functools
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -39,7 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # serving.py, and the repo (spark, tests)
 
 from serving import (  # noqa: E402
-    cpu_seconds, latency_summary, rows_each_second, spread_load, step_shape, step_totals, wait_healthy, write_report,
+    cpu_seconds, latency_summary, rows_each_second, spread_load, step_shape, step_totals, stop_server, wait_healthy,
+    write_report,
 )
 
 
@@ -199,11 +199,7 @@ def main() -> int:
         cpu1, steps = cpu_seconds(server.pid)[0], step_shape(steps0, step_totals(url))
         steps["decode_rows_each_second"] = series
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
     tok_s = result["output_tokens"] / result["wall_s"]
     ceiling = args.clients * 1000 / args.step_ms
     entry = {

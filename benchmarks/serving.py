@@ -175,6 +175,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None
     raise RuntimeError("server did not become healthy")
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """Stop a ``spark serve`` subprocess as Ctrl-C does (it drains), killing it after 60 s."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds used so far by process ``pid`` and by its children (the engine process), from /proc."""
     def used(p: int) -> float:
@@ -327,11 +336,7 @@ def main() -> int:
         steps["engine_cpu_cores"] = round((cpu_after[1] - cpu_before[1]) / result["wall_s"], 2)
         steps["engine_busy_frac"] = round(steps["steps"] * (steps["step_ms_mean"] or 0) / 1000 / result["wall_s"], 3)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
     serving_tok_s = result["output_tokens"] / result["wall_s"]
     offline_tok_s = offline(args.model, prompts, args.new, args.clients)
     entry = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import random
 import sys
 
@@ -74,9 +75,8 @@ def main() -> int:
     entry = {"check": "gpu_prefix", "model": args.model, "sequences": len(plain),
              "tokens": sum(len(v) for v in plain.values()), "prefix_hit_tokens": hit,
              "cache_vs_plain": compare(plain, cached), "control_plain_vs_plain_other_batching": compare(plain, other)}
+    pathlib.Path(args.out).write_text(json.dumps(entry, indent=1))
     print(json.dumps(entry))
-    with open(args.out, "w") as f:
-        json.dump(entry, f, indent=1)
     return 0
 
 
