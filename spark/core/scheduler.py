@@ -238,11 +238,16 @@ class Scheduler:
 
     def _register_prompt_pages(self, seq: SeqState, target: int) -> None:
         """Register the prompt pages filled up to ``target`` tokens."""
+        self._register_pages(seq, seq.prompt_ids, target)
+
+    def _register_pages(self, seq: SeqState, tokens, target: int) -> None:
+        """Register the full pages of ``tokens`` (the prompt, or prompt + output) filled up to ``target``.
+        The hashes ``seq`` holds already are of prompt pages: the first pages of either."""
         size = self.allocator.page_size
-        full = min(target, len(seq.prompt_ids)) // size
+        full = min(target, len(tokens)) // size
         if full <= seq.registered_pages:
             return
-        seq.page_hashes = page_hashes(seq.prompt_ids, size, full_pages=full, start=seq.page_hashes[:full])
+        seq.page_hashes = page_hashes(tokens, size, full_pages=full, start=seq.page_hashes[:full])
         for i in range(seq.registered_pages, full):
             self.allocator.cache(seq.request_id, i, seq.page_hashes[i])
         seq.registered_pages = full
@@ -257,14 +262,9 @@ class Scheduler:
         if not self.allocator.has(seq.request_id):
             return
         if seq.output_ids and seq.epoch == 0:
-            size = self.allocator.page_size
-            tokens = list(seq.prompt_ids) + seq.output_ids
-            full = min(seq.prompt_len + len(seq.output_ids) - 1, len(self.allocator.block_table(seq.request_id)) * size) // size
-            if full > seq.registered_pages:
-                seq.page_hashes = page_hashes(tokens, size, full_pages=full, start=seq.page_hashes[:seq.registered_pages])
-                for i in range(seq.registered_pages, full):
-                    self.allocator.cache(seq.request_id, i, seq.page_hashes[i])
-                seq.registered_pages = full
+            held = len(self.allocator.block_table(seq.request_id)) * self.allocator.page_size
+            self._register_pages(seq, list(seq.prompt_ids) + seq.output_ids,
+                                 min(seq.prompt_len + len(seq.output_ids) - 1, held))
         for pin in seq.pins:
             pages = seq.registered_pages
             if pin.tokens is not None:
