@@ -14,6 +14,8 @@ import re
 import threading
 from typing import Sequence
 
+import numpy as np
+
 from spark.core.grammar import GrammarSpec
 
 
@@ -49,19 +51,16 @@ def _message(exc: Exception) -> str:
 
 
 class XMatcher:
-    def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(self, compiled, vocab_size: int, stop_mask: bytes):
         xgr = _xgr()
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._stop = stop_token_ids
+        self._stop_mask = stop_mask
 
     def mask(self) -> bytes:
         if self._matcher.is_terminated():  # (a request that ignores EOS): only the stop tokens, again
-            self._bitmask.zero_()
-            for t in self._stop:
-                self._bitmask[0, t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
-        else:
-            self._matcher.fill_next_token_bitmask(self._bitmask)
+            return self._stop_mask
+        self._matcher.fill_next_token_bitmask(self._bitmask)
         return self._bitmask.numpy().tobytes()
 
     def accept(self, token_id: int) -> bool:
@@ -78,6 +77,9 @@ class XGrammars:
         self._stop = list(stop_token_ids) or list(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._lock = threading.Lock()
         self._compiler = None
+        allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)  # as long as xgrammar's int32 words
+        allowed[self._stop] = True
+        self._stop_mask = np.packbits(allowed, bitorder="little").tobytes()
 
     def _compiler_now(self):
         with self._lock:
@@ -104,4 +106,4 @@ class XGrammars:
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
     def matcher(self, spec: GrammarSpec) -> XMatcher:
-        return XMatcher(self.compiled(spec), self.vocab_size, self._stop)
+        return XMatcher(self.compiled(spec), self.vocab_size, self._stop_mask)

@@ -63,3 +63,17 @@ def test_forced_calls_on_random_weights_are_all_valid(random_engine, fmt):
         call = parsed.tool_calls[0]
         assert not call.unknown
         jsonschema.validate(call.arguments, SCHEMAS[call.name])
+
+
+def test_a_finished_grammar_allows_only_the_stop_tokens(engine):
+    """A request that ignores EOS asks for masks past the grammar's end: the stop tokens alone, again."""
+    import numpy as np
+
+    from spark.core.grammar import GrammarSpec
+
+    tokenizer = engine.tokenizer
+    matcher = XGrammars(tokenizer, engine.vocab_size).matcher(GrammarSpec("json_schema", '{"type": "boolean"}'))
+    for token in tokenizer.encode("true") + [tokenizer.eos_token_ids[0]]:
+        assert matcher.accept(token)
+    allowed = np.unpackbits(np.frombuffer(matcher.mask(), dtype=np.uint8), bitorder="little")[:engine.vocab_size]
+    assert sorted(np.flatnonzero(allowed)) == sorted(tokenizer.eos_token_ids)
