@@ -67,7 +67,7 @@ def test_a_named_tool_and_anthropics_tool_choice_are_forced(server):
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0) as claude:
         message = claude.messages.create(model=server.model, max_tokens=120, tools=tools,
-                                         tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0.7},
+                                         tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0},
                                          messages=[{"role": "user", "content": "Good morning."}])
         use = [b for b in message.content if b.type == "tool_use"]
         assert message.stop_reason == "tool_use" and use
