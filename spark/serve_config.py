@@ -63,6 +63,9 @@ class ServeConfig:
     rate_limit_rps: float = 0.0  # per API key; 0 = unlimited
     rate_limit_tpm: float = 0.0  # tokens (prompt + max new) per minute per key; 0 = unlimited
     rate_limit_max_keys: int = 10_000  # keys tracked at most; the idlest are forgotten first
+    # 401s (a missing or unknown key) answered per second at most, across the server; the rest wait
+    # their turn, so a flood of bad keys cannot crowd out the real ones. 0: unpaced.
+    refusals_per_s: float = attrs.field(default=200.0, validator=attrs.validators.ge(0))
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     default_max_tokens: int = 1024  # when a request names none (capped by the context left)
     # The Responses API's stored responses and conversations (spark.state): a SQLite file; None:

@@ -50,7 +50,13 @@ def _slot() -> Slot:
 
 @bp.before_request
 async def _authorize() -> None:
-    _check_admin_key()  # refused before the body is read: _Connection decides whether the connection stays
+    try:
+        _check_admin_key()  # refused before the body is read: _Connection decides whether the connection stays
+    except ApiError as refused:
+        if refused.status == 401:
+            state = current_app.extensions["spark"]
+            await state.refusals.pace(state.config.refusals_per_s)
+        raise
 
 
 def _check_admin_key() -> None:

@@ -35,7 +35,7 @@ from spark.core.interfaces import LoadedEngine
 from spark.http import admin, anthropic, errors, gateway, openapi, responses, routes
 from spark.http.errors import ApiError
 from spark.http.fanin import Generations
-from spark.http.keys import keyring
+from spark.http.keys import RefusalPacer, keyring
 from spark.http.params import Limits
 from spark.recipes.schema import Recipe
 from spark.recipes.serving import catalog_for, engine_dtype, recipe_config
@@ -61,6 +61,7 @@ class SparkState:
     exit_on_startup_error: bool = False
     started_at: int = attrs.field(factory=lambda: int(time.time()))
     stopped: trio.Event = attrs.field(factory=trio.Event)
+    refusals: RefusalPacer = attrs.field(factory=RefusalPacer)  # paces every 401 of this app
 
 
 class _TrioOnlyLifespan(TrioASGILifespan):
@@ -270,11 +271,13 @@ async def _authenticate(state: SparkState) -> None:
     # body has not arrived yet, and keeps it when it came with the headers (a flood of bad keys then
     # costs no reconnects).
     if scheme.lower() != "bearer" or not token.strip():
+        await state.refusals.pace(state.config.refusals_per_s)
         raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>`"
                        + (" or `x-api-key: <key>`" if request.path.startswith(anthropic.PREFIX) else ""),
                        code="invalid_api_key")
     token = token.strip()
     if token not in ring:
+        await state.refusals.pace(state.config.refusals_per_s)
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     g.api_key = token
 
