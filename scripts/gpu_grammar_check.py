@@ -5,8 +5,9 @@
 Dummy weights of a real shape (bf16, Triton kernels) over a real tokenizer's vocabulary (``DIR`` holds
 its tokenizer.json): for each tool-call format 16 forced calls at temperature 1.0, and 16 JSON answers
 to a schema, all in one batch. Writes each output's text (``tests/engine/test_forced_calls.py``'s
-checks, run on them where jsonschema is installed: ``--validate FILE``) and the decode rate of the
-batch with and without grammars.
+checks, run on them where jsonschema is installed: ``--validate FILE``), and per mode (eager; CUDA
+graphs on a GPU) at batch 64 and 1: the decode rate with and without grammars (the median of
+``--repeats`` alternated runs), the step time it implies, and the median time of one mask fill.
 """
 
 from __future__ import annotations
@@ -80,19 +81,46 @@ def run(args) -> dict:
     texts = {f"{k[0]}/{k[1]}": tokenizer.decode(v, skip_special_tokens=True) for k, v in out.items()}
     free = [(rid, p, attrs.evolve(params, stop_token_ids=(), ignore_eos=True, max_tokens=64), None)
             for rid, p, params, _ in requests]
-    generate(core(), free[:4])
-    _, free_s, free_tokens = generate(core(), free)
     constrained = [(rid, p, attrs.evolve(params, stop_token_ids=(), ignore_eos=True, max_tokens=64), g)
                    for rid, p, params, g in requests]
-    _, masked_s, masked_tokens = generate(core(), constrained)
-    _, one_free_s, one_free = generate(core(), free[:1])
-    _, one_masked_s, one_masked = generate(core(), constrained[:1])
-    return {"check": "gpu_grammar", "model": args.model, "device": args.device, "requests": len(requests),
-            "batch1_tok_s_free": round(one_free / one_free_s, 1),
-            "batch1_tok_s_constrained": round(one_masked / one_masked_s, 1),
-            "texts": texts, "tok_s_constrained_run": round(tokens / seconds, 1),
-            f"batch{len(free)}_tok_s_free": round(free_tokens / free_s, 1),
-            f"batch{len(free)}_tok_s_constrained": round(masked_tokens / masked_s, 1)}
+    fills: list[tuple[int, float]] = []  # (rows, seconds) of each masks() call
+    fill = getattr(grammars, "masks", None)  # (absent before masks were filled in one call: not timed)
+
+    def timed_masks(matchers):
+        t0 = time.perf_counter()
+        out = fill(matchers)
+        fills.append((len(matchers), time.perf_counter() - t0))
+        return out
+
+    if fill is not None:
+        grammars.masks = timed_masks
+    result = {"check": "gpu_grammar", "model": args.model, "device": args.device, "requests": len(requests),
+              "texts": {f"{k[0]}/{k[1]}": tokenizer.decode(v, skip_special_tokens=True) for k, v in out.items()},
+              "tok_s_constrained_run": round(tokens / seconds, 1)}
+    modes = ["eager"] + (["graphs"] if args.device.startswith("cuda") else [])
+    for mode in modes:
+        if mode == "graphs":
+            engine.enable_cuda_graphs(64)
+            while engine.capture_next_graph():
+                pass
+        for label, batch in ((f"batch{len(free)}", len(free)), ("batch1", 1)):
+            generate(core(), free[:min(batch, 4)])  # warm-up of the shapes
+            generate(core(), constrained[:min(batch, 4)])
+            rates = {"free": [], "constrained": []}
+            fills.clear()
+            for _ in range(args.repeats):  # alternated, so that drift hits both alike
+                for kind, reqs in (("free", free), ("constrained", constrained)):
+                    _, s_, n_ = generate(core(), reqs[:batch])
+                    rates[kind].append(n_ / s_)
+            free_rate, masked_rate = (sorted(v)[len(v) // 2] for v in (rates["free"], rates["constrained"]))
+            big = [sec for rows, sec in fills if rows == max(r for r, _ in fills)] if fills else []
+            result[f"{mode}_{label}"] = {
+                "tok_s_free": round(free_rate, 1), "tok_s_constrained": round(masked_rate, 1),
+                "step_ms_free": round(batch / free_rate * 1e3, 3), "step_ms_constrained": round(batch / masked_rate * 1e3, 3),
+                "step_time_overhead": round(free_rate / masked_rate - 1, 4),
+                "mask_fill_ms_median": round(sorted(big)[len(big) // 2] * 1e3, 3) if big else None,
+                "mask_fill_rows": max((r for r, _ in fills), default=0)}
+    return result
 
 
 def validate(path: str) -> dict:
@@ -127,6 +155,7 @@ def main() -> int:
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu-grammar-check.json")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each kind, alternated (the median counts)")
     ap.add_argument("--validate", help="check the texts of a written FILE instead")
     args = ap.parse_args()
     if args.validate:

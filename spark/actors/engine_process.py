@@ -56,7 +56,7 @@ class EngineProcess:
         Raises:
             ModelLoadError: the model cannot be read (as ``Engine.load`` would raise).
         """
-        from spark.engine.engine import _load_tokenizer
+        from spark.engine.tokenizer import Tokenizer
         from spark.engine.errors import ModelLoadError
         from spark.engine.weights import resolve_model
 
@@ -76,7 +76,7 @@ class EngineProcess:
             if reply.load_error:
                 raise ModelLoadError(source.path or model, reply.message)
             raise RuntimeError(f"engine process failed to start: {reply.message}")
-        return cls(process, parent, reply, _load_tokenizer(source))
+        return cls(process, parent, reply, Tokenizer.for_source(source))
 
     def transport(self) -> "ProcessTransport":
         return ProcessTransport(self._conn)

@@ -40,6 +40,7 @@ class _Launched:
     at: float  # when it was launched
     error: str | None  # the launch raised
     prompt_marks: tuple[tuple[Hashable, int, int], ...] = ()  # (seq, tokens computed after it, epoch): prefills
+    masked_later: tuple[Hashable, ...] = ()  # constrained rows whose masks it waits for (``sample_late``)
 
 
 class Core:
@@ -61,6 +62,7 @@ class Core:
         self.engine, self.scheduler = engine, scheduler
         self.grammars = grammars
         self._matchers: dict[Hashable, Matcher] = {}
+        self._sampling: dict[Hashable, int] = {}  # constrained: tokens launched, not yet collected
         self.faults = faults
         self._launches = 0
         self._admissions = 0
@@ -114,11 +116,11 @@ class Core:
         events: list[Event] = []
         self._admit(events)
         launched = False
-        while len(self._inflight) < self.depth:
+        while len(self._inflight) < self.depth and not self._waits_for_masks():
             if not self._launch_next(events):
                 break
             launched = True
-        if self._inflight and (len(self._inflight) >= self.depth or not launched):
+        if self._inflight and (len(self._inflight) >= self.depth or not launched or self._waits_for_masks()):
             self._collect_oldest(events)
         elif not self._inflight:
             self._unblock(events)
@@ -179,19 +181,50 @@ class Core:
             return f"the grammar failed: {exc}"
         return None
 
-    def _masked(self, chunks: list[Chunk]) -> list[Chunk]:
-        """Put each constrained sequence's mask on its chunk that samples; it samples again only once
-        this token is collected."""
-        out = []
-        for chunk in chunks:
-            matcher = self._matchers.get(chunk.seq_id)
-            if matcher is not None:
+    def _masked(self, chunks: list[Chunk]) -> tuple[list[Chunk], tuple[Hashable, ...]]:
+        """Put each constrained sequence's mask on its chunk that samples; when its last token is still
+        being sampled, say ``mask_later`` instead (the rows named second): their masks are filled once
+        that token is collected (``_sample_late``), while the device runs this step's forward."""
+        out, later, now = list(chunks), [], []
+        for row, chunk in enumerate(chunks):
+            if chunk.seq_id in self._matchers:
                 seq = self.scheduler.seq(chunk.seq_id)
                 if seq.num_computed == seq.num_tokens - 1:  # the chunk reached its last token: it samples
-                    chunk = attrs.evolve(chunk, token_mask=matcher.mask())
-                    self.scheduler.awaiting_token.add(chunk.seq_id)
-            out.append(chunk)
-        return out
+                    if self._sampling.get(chunk.seq_id):
+                        out[row] = attrs.evolve(chunk, mask_later=True)
+                        later.append(chunk.seq_id)
+                    else:
+                        now.append(row)
+                    self._sampling[chunk.seq_id] = self._sampling.get(chunk.seq_id, 0) + 1
+        if now:
+            masks = self.grammars.masks([self._matchers[chunks[row].seq_id] for row in now])
+            for row, mask in zip(now, masks):
+                out[row] = attrs.evolve(chunks[row], token_mask=mask)
+        return out, tuple(later)
+
+    def _waits_for_masks(self) -> bool:
+        """The newest launched step waits for its late masks: nothing launches behind it until then."""
+        return bool(self._inflight and self._inflight[-1].masked_later)
+
+    def _sample_late(self, events: list[Event]) -> None:
+        """The step that waits for masks is the oldest now (the tokens its masks depend on are all
+        collected): fill them in one call and let the engine sample. A grammar that fails there fails
+        its requests; an engine that fails to sample drops the step, which then fails as a whole."""
+        step = self._inflight[0]
+        self._inflight[0] = attrs.evolve(step, masked_later=())
+        late = [seq_id for seq_id in step.masked_later if seq_id in self._matchers]
+        try:
+            masks = dict(zip(late, self.grammars.masks([self._matchers[s] for s in late]))) if late else {}
+        except Exception as exc:
+            log.warning("grammar masks failed: %s", exc)
+            masks = {}
+            for seq_id in late:
+                self._end(seq_id)
+                events.append(Failed(seq_id, f"the grammar failed: {exc}"))
+        try:
+            self.engine.sample_late(masks)
+        except Exception as exc:
+            self._inflight[0] = attrs.evolve(step, masked_later=(), error=step_failure(exc))
 
     def _launch_next(self, events: list[Event]) -> bool:
         """Plan one step and launch it; False when there is nothing to plan."""
@@ -200,8 +233,9 @@ class Core:
         self._reset.extend(self.scheduler.preempted)
         if not chunks:
             return False
+        later = ()
         if self._matchers:
-            chunks = self._masked(chunks)
+            chunks, later = self._masked(chunks)
         for seq_id in self.scheduler.started_now:  # their first chunk
             seq = self.scheduler.seq(seq_id)
             self._queue_times.append(now - seq.arrival)
@@ -223,8 +257,8 @@ class Core:
             self.engine.launch(plan)
             error = None
         except Exception as exc:
-            error = step_failure(exc)
-        self._inflight.append(_Launched(plan.chunks, at, error, marks))
+            error, later = step_failure(exc), ()
+        self._inflight.append(_Launched(plan.chunks, at, error, marks, later))
         return True
 
     def _collect_oldest(self, events: list[Event]) -> None:
@@ -240,6 +274,8 @@ class Core:
         # one before it done) to its end.
         seconds, self._last_done = done - max(step.at, self._last_done), done
         self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events, step.prompt_marks)
+        if self._inflight and self._inflight[0].masked_later:
+            self._sample_late(events)
 
     def _account(self, chunks: tuple[Chunk, ...], result: StepResult, now: float, events: list[Event],
                  marks: tuple = ()) -> None:
@@ -272,14 +308,17 @@ class Core:
                 # the engine forgot it already; only the pages and our records remain
                 self.scheduler.finish(out.seq_id, now)
                 self._matchers.pop(out.seq_id, None)
+                self._sampling.pop(out.seq_id, None)
                 self._active.discard(out.seq_id)
         if outputs:
             events.append(TokenBatch(outputs, now))
 
     def _advance_grammars(self, chunks, outputs, events: list[Event]) -> None:
         for chunk in chunks:
-            if chunk.token_mask is not None:
-                self.scheduler.awaiting_token.discard(chunk.seq_id)
+            if (chunk.token_mask is not None or chunk.mask_later) and chunk.seq_id in self._sampling:
+                self._sampling[chunk.seq_id] -= 1
+                if not self._sampling[chunk.seq_id]:
+                    del self._sampling[chunk.seq_id]
         for out in outputs:
             matcher = self._matchers.get(out.seq_id)
             if matcher is not None and out.seq_id in self._active and not matcher.accept(out.token_id):
@@ -329,6 +368,7 @@ class Core:
         """End a request the engine did not end; ``kept``: its computed prefix stays cached (a cancel)."""
         self.scheduler.finish(request_id, self.clock() if kept else None)
         self._matchers.pop(request_id, None)
+        self._sampling.pop(request_id, None)
         self._active.discard(request_id)
         self._doomed.discard(request_id)
         unregistered = [n for n in self._added if n.seq_id == request_id]

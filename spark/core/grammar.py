@@ -3,8 +3,10 @@
 A request that must follow a grammar (a JSON schema, a forced tool call) carries a ``GrammarSpec``;
 the core asks its ``Grammars`` for a ``Matcher`` when it admits it, puts the matcher's mask on every
 chunk of it that samples, and tells the matcher each token collected. The mask of a token depends
-on the token before, so a constrained sequence samples again only once its last token is collected:
-the pipelined step planned meanwhile leaves it out (the others still decode).
+on the token before, so the pipelined step planned while that token is still being sampled carries
+no mask yet: its chunk says ``mask_later``, the device runs its forward meanwhile, and the masks of
+all such rows are filled at once (``Grammars.masks``) when the step before is collected, then handed
+to the engine (``StepEngine.sample_late``) before it samples.
 ``spark.engine.grammar`` implements this with xgrammar.
 """
 
@@ -35,3 +37,6 @@ class Matcher(Protocol):
 class Grammars(Protocol):
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher of ``spec`` (compiled once per spec). Raises ValueError for a bad grammar."""
+
+    def masks(self, matchers: list[Matcher]) -> list[bytes]:
+        """Each matcher's ``mask()``, filled in one call (in parallel where the backend can)."""

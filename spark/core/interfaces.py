@@ -8,7 +8,7 @@ child; here only its facts and ``close``). Both are ``LoadedEngine``; only the f
 
 from __future__ import annotations
 
-from typing import Hashable, Protocol, Sequence
+from typing import Hashable, Mapping, Protocol, Sequence
 
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import StepPlan, TokenOutput
@@ -72,6 +72,10 @@ class StepEngine(LoadedEngine, Protocol):
     def launch(self, plan: StepPlan) -> None: ...
 
     def collect(self) -> list[TokenOutput]: ...
+
+    def sample_late(self, masks: Mapping[Hashable, bytes]) -> None:
+        """Sample the newest launched step, whose ``mask_later`` chunks get their masks here (a row
+        without one samples unconstrained). Nothing is launched or collected before it."""
 
     def enable_cuda_graphs(self, max_batch_size: int) -> bool:
         """Plan decode graphs up to ``max_batch_size``; False where there are none (no GPU)."""

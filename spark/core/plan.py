@@ -25,12 +25,15 @@ class Chunk:
 
     ``token_mask``, when the chunk samples, limits the token it samples to the allowed ones:
     bit i of the little-endian bytes allows token i (xgrammar's int32 bitmask, as bytes).
+    ``mask_later``: it has a mask, which depends on a token still being sampled; the engine runs the
+    forward and waits for ``StepEngine.sample_late`` before it samples.
     """
 
     seq_id: Hashable
     num_tokens: int
     block_table: tuple[int, ...]
     token_mask: bytes | None = None
+    mask_later: bool = False
 
 
 @attrs.frozen

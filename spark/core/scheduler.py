@@ -74,7 +74,6 @@ class Scheduler:
         self.preempted: list[Hashable] = []  # since the last schedule(): their cache must be recomputed
         self.prefix_hits: list[tuple[Hashable, int]] = []  # since the last schedule(): (seq, tokens cached)
         self.started_now: list[Hashable] = []  # since the last schedule(): first chunks
-        self.awaiting_token: set[Hashable] = set()  # constrained: the mask of their next token needs the last
         self.prefix_queried = 0  # prompt tokens looked up in the prefix cache, in all
         self.prefix_hit = 0  # of those, found
         self._seqs: dict[Hashable, SeqState] = {}
@@ -104,7 +103,6 @@ class Scheduler:
         generated pages registered, its pin applied). None: it failed, its pages hold nothing known.
         """
         seq = self._seqs.pop(request_id, None)
-        self.awaiting_token.discard(request_id)
         if seq is not None and now is not None and self.prefix_caching:
             self._keep_prefix(seq, now)
         self.allocator.free(request_id)
@@ -121,8 +119,8 @@ class Scheduler:
         plan: list[Chunk] = []
         planned: set[int] = set()
         for seq in self.policy.decode_order(self.running):
-            if seq not in self.running or seq.request_id in self.awaiting_token:
-                continue  # preempted by an earlier iteration; or its grammar needs its last token first
+            if seq not in self.running:
+                continue  # preempted by an earlier iteration
             table = self._grow_or_preempt(seq, seq.num_tokens, planned)
             if table is not None:
                 plan.append(Chunk(seq.request_id, 1, table))
@@ -131,8 +129,6 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0:
                 break
-            if seq.request_id in self.awaiting_token:
-                continue  # (preempted with a token in flight)
             if self.prefix_caching and seq.num_computed == 0 and not self.allocator.has(seq.request_id):
                 self._map_cached_prefix(seq)
             left = seq.num_tokens - seq.num_computed

@@ -30,9 +30,10 @@ from spark.engine.models.runtime import Model, Runtime, build_model
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan, TokenOutput
-from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch
+from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch, unpack_token_masks
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
+from spark.engine.tokenizer import Tokenizer
 from spark.engine.device import checked_device, default_device
 from spark.engine.transfer import HostCopy, upload
 
@@ -53,6 +54,9 @@ class _Launched:
     token_ids: torch.Tensor | None = None  # [N] on the device: the next step's inputs read it
     samples: HostCopy | None = None  # token ids, chosen logprobs, top ids, top logprobs
     outputs: list[TokenOutput] | None = None  # once completed
+    unsampled: tuple | None = None  # (logits, graph argmax, sample rows, every row samples) until sampled
+    late: set[Hashable] = attrs.field(factory=set)  # rows whose masks come with sample_late
+    masks: dict = attrs.field(factory=dict)  # meanwhile, the masks its other rows came with
 
 
 class Engine:
@@ -98,6 +102,7 @@ class Engine:
         self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         self._seed_rng = random.Random()
         self._inflight: deque[_Launched] = deque()  # launched, not yet collected, oldest first
+        self._late: _Launched | None = None  # the newest launched step, while it waits for masks
         self._ended: OrderedDict[Hashable, None] = OrderedDict()  # recently ended ids: plans may still name them
 
     @classmethod
@@ -138,7 +143,7 @@ class Engine:
         t0 = time.perf_counter()
         weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress)
         net = build_model(source.config, runtime, weights)
-        tokenizer = _load_tokenizer(source)
+        tokenizer = Tokenizer.for_source(source)
         if source.kind == "gguf":
             from spark.engine.weights import gguf
 
@@ -173,6 +178,7 @@ class Engine:
         self.model = None
         self._seqs.clear()
         self._inflight.clear()
+        self._late = None
 
     # -- sequences --------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, prompt_ids: Seq[int], params: SamplingParams) -> None:
@@ -246,6 +252,8 @@ class Engine:
         Raises:
             ValueError: the plan asks tokens a sequence does not have, or pages it lacks.
         """
+        if self._late is not None:
+            raise RuntimeError("launch() while the last launched step waits for its masks (sample_late)")
         register(self, plan)
         if any(self._waits_on_host(c) for c in plan.chunks):
             self._complete_all()  # penalties and forced tokens need the previous tokens on the host
@@ -310,17 +318,55 @@ class Engine:
         if not step.seq_ids:
             return
         seqs = [self._seqs[i] for i in step.seq_ids]
+        for row, s in enumerate(seqs):
+            s.pending.append((step, row))
+        rows = [kept[r] for r in sample_rows]
+        greedy = None if replayed is None else replayed[1]
+        step.unsampled = (logits, greedy, sample_rows, len(sample_rows) == len(ids))
+        masks = {c.seq_id: c.token_mask for c in rows if c.token_mask is not None}
+        if any(c.mask_later for c in rows):
+            step.late, step.masks = {c.seq_id for c in rows if c.mask_later}, masks
+            self._late = step  # sampled by sample_late, once its late rows' masks are known
+        else:
+            self._sample(step, masks)
+
+    @torch.inference_mode()
+    def sample_late(self, masks) -> None:
+        """Sample the newest launched step, whose ``mask_later`` chunks get their masks here (by
+        sequence; a row without one samples unconstrained). A no-op when no step waits (its late rows
+        ended before the launch). On a failure the step is dropped: nothing is left to collect of it."""
+        step, self._late = self._late, None
+        if step is None:
+            return
+        try:
+            late = {seq_id: mask for seq_id, mask in masks.items() if seq_id in step.late}
+            for mask in late.values():
+                if len(mask) * 8 < self.config.vocab_size:
+                    raise ValueError(f"a token mask of {len(mask) * 8} bits for a vocabulary of {self.config.vocab_size}")
+            self._sample(step, {**step.masks, **late})
+        except BaseException:
+            self._inflight.remove(step)
+            for s in self._seqs.values():
+                while s.pending and s.pending[-1][0] is step:
+                    s.pending.pop()
+            raise
+
+    def _sample(self, step: _Launched, masks: dict) -> None:
+        """Queue the sampling of ``step``'s rows (``masks``: the constrained ones', by sequence)."""
+        logits, greedy, sample_rows, every_row_samples = step.unsampled
+        step.unsampled = None
+        seqs = [self._seqs[i] for i in step.seq_ids]
         token_mask = None
-        if any(kept[r].token_mask is not None for r in sample_rows):  # (a pass, no list, in the usual case)
-            token_mask = self._token_mask([kept[r].token_mask for r in sample_rows])
-        if (replayed is not None and len(sample_rows) == len(ids) and token_mask is None
+        if masks:
+            token_mask = unpack_token_masks([masks.get(seq_id) for seq_id in step.seq_ids], self.config.vocab_size, self.device)
+        if (greedy is not None and every_row_samples and token_mask is None
                 and all(s.params.is_plain_greedy for s in seqs)):
             # The graph took every row's argmax already: no sampler launch, and the
             # next step reads these tokens from the graphs' ring on the device.
             result = SampleOutput(token_ids=greedy)
         else:
             if len(sample_rows) != logits.shape[0]:
-                logits = logits[upload(sample_rows, torch.int64, dev)]
+                logits = logits[upload(sample_rows, torch.int64, self.device)]
             batch = SamplingBatch(
                 params=tuple(s.params for s in seqs),
                 token_histories=tuple(
@@ -328,34 +374,18 @@ class Engine:
                     for s in seqs
                 ),
                 seeds=tuple(s.seed for s in seqs),
-                steps=tuple(len(s.output_ids) + len(s.pending) for s in seqs),
+                steps=tuple(len(s.output_ids) + len(s.pending) - 1 for s in seqs),
             )
             result = self.sampler(logits, batch, token_mask)
         step.token_ids = result.token_ids
         step.samples = HostCopy((result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs))
-        for row, s in enumerate(seqs):
-            s.pending.append((step, row))
-
-    def _token_mask(self, masks: list[bytes | None]) -> torch.Tensor:
-        """[rows, V] bool from each chunk's packed mask (bit i of the little-endian bytes: token i
-        allowed; xgrammar's int32 bitmask read as bytes); a row without one allows every token.
-        The packed bytes cross to the device and are unpacked there: an eighth of the bool rows' size."""
-        import numpy as np
-
-        vocab = self.config.vocab_size
-        width = -(-vocab // 8)
-        packed = np.full((len(masks), width), 0xFF, dtype=np.uint8)
-        for row, mask in enumerate(masks):
-            if mask is not None:
-                packed[row] = np.frombuffer(mask, dtype=np.uint8, count=width)  # (sized by launch)
-        shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
-        words = torch.from_numpy(packed).to(self.device, non_blocking=True)
-        return ((words.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, :vocab].bool()
 
     def collect(self) -> list[TokenOutput]:
         """Wait for the oldest launched step; its ``TokenOutput``s, in plan order."""
         if not self._inflight:
             raise RuntimeError("collect() without a launched step")
+        if self._inflight[0] is self._late:
+            raise RuntimeError("collect() of a step that waits for its masks (sample_late)")
         step = self._inflight.popleft()
         if step.outputs is None:
             step.outputs = self._complete(step)
@@ -487,13 +517,3 @@ def _give_back_freed_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc
         pass
-
-
-def _load_tokenizer(source):
-    from spark.engine.tokenizer import Tokenizer
-
-    if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path)
-    if source.kind == "hf":
-        return Tokenizer.from_hf_dir(source.path)
-    return Tokenizer.synthetic(source.config.vocab_size)

@@ -77,6 +77,8 @@ class XGrammars:
         self._stop = list(stop_token_ids) or list(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._lock = threading.Lock()
         self._compiler = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher, and the bitmask rows it fills, at first use
+        self._bitmask = None
         allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)  # as long as xgrammar's int32 words
         allowed[self._stop] = True
         self._stop_mask = np.packbits(allowed, bitorder="little").tobytes()
@@ -107,3 +109,20 @@ class XGrammars:
 
     def matcher(self, spec: GrammarSpec) -> XMatcher:
         return XMatcher(self.compiled(spec), self.vocab_size, self._stop_mask)
+
+    def masks(self, matchers: list[XMatcher]) -> list[bytes]:
+        """The matchers' masks in one call: xgrammar fills the rows on its threads (half the cores)."""
+        xgr = _xgr()
+        live = [row for row, m in enumerate(matchers) if not m._matcher.is_terminated()]
+        out = [self._stop_mask] * len(matchers)
+        if live:
+            with self._lock:
+                if self._batch is None:
+                    self._batch = xgr.BatchGrammarMatcher()
+                if self._bitmask is None or self._bitmask.shape[0] < len(live):
+                    self._bitmask = xgr.allocate_token_bitmask(max(len(live), 64), self.vocab_size)
+                self._batch.batch_fill_next_token_bitmask([matchers[row]._matcher for row in live], self._bitmask)
+                words = self._bitmask.numpy()
+                for i, row in enumerate(live):
+                    out[row] = words[i].tobytes()
+        return out

@@ -411,3 +411,19 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     # bits + 0.5 needs 24 significant bits, exactly float32's: u is exact and
     # never rounds to 0 or 1 (which would make -log(u) 0 or inf).
     return (bits.float() + 0.5) * (1.0 / (1 << 23))
+
+
+def unpack_token_masks(masks: Sequence[bytes | None], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, V] bool from each row's packed mask (bit i of the little-endian bytes: token i allowed;
+    xgrammar's int32 bitmask read as bytes); a row without one allows every token. The packed bytes
+    cross to the device and are unpacked there: an eighth of the bool rows' size."""
+    import numpy as np
+
+    width = -(-vocab_size // 8)
+    packed = np.full((len(masks), width), 0xFF, dtype=np.uint8)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            packed[row] = np.frombuffer(mask, dtype=np.uint8, count=width)  # (sized by the engine's checks)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    words = torch.from_numpy(packed).to(device, non_blocking=True)
+    return ((words.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, :vocab_size].bool()

@@ -116,6 +116,16 @@ class Tokenizer:
     # --- constructors
 
     @classmethod
+    def for_source(cls, source) -> Tokenizer:
+        """The tokenizer of a resolved model (``spark.engine.weights.resolve_model``): its file's, or a
+        synthetic one for dummy weights."""
+        if source.kind == "gguf":
+            return cls.from_gguf(source.path)
+        if source.kind == "hf":
+            return cls.from_hf_dir(source.path)
+        return cls.synthetic(source.config.vocab_size)
+
+    @classmethod
     def synthetic(cls, vocab_size: int) -> Tokenizer:
         """A stand-in for models with dummy weights: token i is the word ``t<i>``.
 

@@ -164,6 +164,9 @@ class EngineDouble:
     def collect(self) -> list[TokenOutput]:
         return self._launched.popleft()
 
+    def sample_late(self, masks) -> None:
+        """A double samples without masks (its tokens are scripted): nothing waits for them."""
+
     def step(self, plan: StepPlan) -> list[TokenOutput]:
         """Register the plan's sequences, validate its chunks like the real engine, "compute"
         them, sample for sequences that caught up.

@@ -155,3 +155,42 @@ def test_a_chunks_token_mask_limits_what_it_samples(engine):
     assert after.seq_id == "masked" and after.finish_reason == "length"
     engine.remove_sequence("free")
     engine.remove_sequence("masked")
+
+
+def test_a_late_mask_is_applied_when_it_comes_and_nothing_steps_before_it(engine):
+    """A ``mask_later`` chunk runs its forward at launch and samples only at ``sample_late``: the
+    token it samples is the mask's, the step before it is collected first, and launching or collecting
+    the waiting step is refused until its masks came."""
+    import numpy as np
+
+    ids = engine.tokenizer.encode(PROMPT)
+    alloc = engine.new_page_allocator()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    engine.add_sequence("late", ids, greedy)
+    engine.add_sequence("now", ids, greedy)
+    allowed = np.zeros(engine.vocab_size, dtype=bool)
+    allowed[4242] = True
+    only_4242 = np.packbits(allowed, bitorder="little").tobytes()
+    allowed[:] = False
+    allowed[7] = True
+    only_7 = np.packbits(allowed, bitorder="little").tobytes()
+    engine.launch(StepPlan((Chunk("late", len(ids), alloc.allocate("late", len(ids))),)))
+    engine.launch(StepPlan((Chunk("late", 1, alloc.append("late", len(ids) + 1), mask_later=True),
+                            Chunk("now", len(ids), alloc.allocate("now", len(ids)), token_mask=only_7))))
+    with pytest.raises(RuntimeError, match="waits for its masks"):
+        engine.launch(StepPlan((Chunk("late", 1, alloc.append("late", len(ids) + 2)),)))
+    (first,) = engine.collect()
+    with pytest.raises(RuntimeError, match="waits for its masks"):
+        engine.collect()
+    engine.sample_late({"late": only_4242, "gone": b""})
+    second, now = engine.collect()
+    assert second.seq_id == "late" and second.token_id == 4242 != first.token_id
+    assert now.seq_id == "now" and now.token_id == 7  # the mask it came with holds too
+    engine.sample_late({})  # nothing waits: a no-op
+    # a late mask of the wrong size fails the step: the engine drops it (the core then fails its requests)
+    engine.launch(StepPlan((Chunk("late", 1, alloc.append("late", len(ids) + 2), mask_later=True),)))
+    with pytest.raises(ValueError, match="token mask of 8 bits"):
+        engine.sample_late({"late": b"\x01"})
+    assert engine.num_inflight == 0
+    engine.remove_sequence("late")
+    engine.remove_sequence("now")
