@@ -56,7 +56,11 @@ def run(args) -> dict:
     preset = args.model.removeprefix("dummy:")
     config = attrs.evolve(dummy_config(preset), vocab_size=tokenizer.vocab_size)
     engine = Engine.load("dummy", dummy_config=config, device=args.device, progress=False, max_model_len=2048)
-    grammars = XGrammars(tokenizer, engine.vocab_size)
+    threads = args.fill_threads if args.fill_threads == "auto" else int(args.fill_threads)
+    import inspect  # (a version before fill_threads is measured with its own default)
+
+    known = "fill_threads" in inspect.signature(XGrammars).parameters
+    grammars = XGrammars(tokenizer, engine.vocab_size, **({"fill_threads": threads} if known else {}))
 
     def core():
         return Core(engine, Scheduler(engine.new_page_allocator(), make_policy("fifo", Limits()), max_batch_size=64),
@@ -94,6 +98,23 @@ def run(args) -> dict:
 
     if fill is not None:
         grammars.masks = timed_masks
+    phases: dict[str, float] = {}  # host seconds in each engine call (collect: waiting included)
+
+    def timed(name, call):
+        def wrapper(*a):
+            t0 = time.perf_counter()
+            try:
+                return call(*a)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    for name in ("launch", "collect", "sample_late"):
+        if hasattr(engine, name):
+            setattr(engine, name, timed(name, getattr(engine, name)))
+    for name in ("masks", "accept"):  # the grammar's host work (masks: its timed_masks above)
+        if hasattr(grammars, name):
+            setattr(grammars, name, timed(name, getattr(grammars, name)))
     result = {"check": "gpu_grammar", "model": args.model, "device": args.device, "requests": len(requests),
               "texts": {f"{k[0]}/{k[1]}": tokenizer.decode(v, skip_special_tokens=True) for k, v in out.items()},
               "tok_s_constrained_run": round(tokens / seconds, 1)}
@@ -107,11 +128,15 @@ def run(args) -> dict:
             generate(core(), free[:min(batch, 4)])  # warm-up of the shapes
             generate(core(), constrained[:min(batch, 4)])
             rates = {"free": [], "constrained": []}
+            host = {"free": {}, "constrained": {}}
             fills.clear()
             for _ in range(args.repeats):  # alternated, so that drift hits both alike
                 for kind, reqs in (("free", free), ("constrained", constrained)):
+                    phases.clear()
                     _, s_, n_ = generate(core(), reqs[:batch])
                     rates[kind].append(n_ / s_)
+                    for name, sec in phases.items():  # per step: tokens / batch steps
+                        host[kind].setdefault(name, []).append(sec / (n_ / batch) * 1e3)
             free_rate, masked_rate = (sorted(v)[len(v) // 2] for v in (rates["free"], rates["constrained"]))
             big = [sec for rows, sec in fills if rows == max(r for r, _ in fills)] if fills else []
             result[f"{mode}_{label}"] = {
@@ -119,7 +144,9 @@ def run(args) -> dict:
                 "step_ms_free": round(batch / free_rate * 1e3, 3), "step_ms_constrained": round(batch / masked_rate * 1e3, 3),
                 "step_time_overhead": round(free_rate / masked_rate - 1, 4),
                 "mask_fill_ms_median": round(sorted(big)[len(big) // 2] * 1e3, 3) if big else None,
-                "mask_fill_rows": max((r for r, _ in fills), default=0)}
+                "mask_fill_rows": max((r for r, _ in fills), default=0),
+                "host_ms_per_step": {kind: {name: round(sorted(v)[len(v) // 2], 3) for name, v in h.items()}
+                                     for kind, h in host.items()}}
     return result
 
 
@@ -156,6 +183,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu-grammar-check.json")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each kind, alternated (the median counts)")
+    ap.add_argument("--fill-threads", default="1", help="xgrammar's threads for a batch of masks")
     ap.add_argument("--validate", help="check the texts of a written FILE instead")
     args = ap.parse_args()
     if args.validate:

@@ -319,9 +319,12 @@ class Core:
                 self._sampling[chunk.seq_id] -= 1
                 if not self._sampling[chunk.seq_id]:
                     del self._sampling[chunk.seq_id]
-        for out in outputs:
-            matcher = self._matchers.get(out.seq_id)
-            if matcher is not None and out.seq_id in self._active and not matcher.accept(out.token_id):
+        taken = [out for out in outputs if out.seq_id in self._matchers and out.seq_id in self._active]
+        if not taken:
+            return
+        accepted = self.grammars.accept([self._matchers[out.seq_id] for out in taken], [out.token_id for out in taken])
+        for out, ok in zip(taken, accepted):
+            if not ok:
                 # Only an engine that does not apply masks (a replaying double) or a bug gets here: the
                 # request goes on unconstrained, and what checks its output after (tool_choice) still does.
                 log.warning("request %s sampled token %d, which its grammar forbids: no longer constrained",

@@ -40,3 +40,6 @@ class Grammars(Protocol):
 
     def masks(self, matchers: list[Matcher]) -> list[bytes]:
         """Each matcher's ``mask()``, filled in one call (in parallel where the backend can)."""
+
+    def accept(self, matchers: list[Matcher], token_ids: list[int]) -> list[bool]:
+        """Each matcher's ``accept`` of its token, in one call."""

@@ -30,7 +30,7 @@ from spark.engine.models.runtime import Model, Runtime, build_model
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan, TokenOutput
-from spark.engine.sampler import SampleOutput, Sampler, SamplingBatch, unpack_token_masks
+from spark.engine.sampler import Prepared, SampleOutput, Sampler, SamplingBatch, unpack_token_masks
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
 from spark.engine.tokenizer import Tokenizer
@@ -57,6 +57,7 @@ class _Launched:
     unsampled: tuple | None = None  # (logits, graph argmax, sample rows, every row samples) until sampled
     late: set[Hashable] = attrs.field(factory=set)  # rows whose masks come with sample_late
     masks: dict = attrs.field(factory=dict)  # meanwhile, the masks its other rows came with
+    prepared: Prepared | None = None  # meanwhile, the sampler's part that no logits decide
 
 
 class Engine:
@@ -327,6 +328,9 @@ class Engine:
         if any(c.mask_later for c in rows):
             step.late, step.masks = {c.seq_id for c in rows if c.mask_later}, masks
             self._late = step  # sampled by sample_late, once its late rows' masks are known
+            # Meanwhile the device gets what the sampling needs besides the logits (the rows'
+            # columns, the draw's noise): sample_late then queues only what the masks decide.
+            step.prepared = self.sampler.prepare(self._sampling_batch(seqs), self.config.vocab_size, self.device)
         else:
             self._sample(step, masks)
 
@@ -367,18 +371,24 @@ class Engine:
         else:
             if len(sample_rows) != logits.shape[0]:
                 logits = logits[upload(sample_rows, torch.int64, self.device)]
-            batch = SamplingBatch(
-                params=tuple(s.params for s in seqs),
-                token_histories=tuple(
-                    (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
-                    for s in seqs
-                ),
-                seeds=tuple(s.seed for s in seqs),
-                steps=tuple(len(s.output_ids) + len(s.pending) - 1 for s in seqs),
-            )
-            result = self.sampler(logits, batch, token_mask)
-        step.token_ids = result.token_ids
+            result = self.sampler(logits, self._sampling_batch(seqs), token_mask, step.prepared)
+        step.token_ids, step.prepared = result.token_ids, None
         step.samples = HostCopy((result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs))
+
+    @staticmethod
+    def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+        """The sampler's rows of a launched step's sequences (each has the step in its ``pending``;
+        a step it was launched behind moves a token from ``pending`` to ``output_ids``, which keeps
+        its ``steps``)."""
+        return SamplingBatch(
+            params=tuple(s.params for s in seqs),
+            token_histories=tuple(
+                (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
+                for s in seqs
+            ),
+            seeds=tuple(s.seed for s in seqs),
+            steps=tuple(len(s.output_ids) + len(s.pending) - 1 for s in seqs),
+        )
 
     def collect(self) -> list[TokenOutput]:
         """Wait for the oldest launched step; its ``TokenOutput``s, in plan order."""

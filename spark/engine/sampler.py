@@ -81,8 +81,19 @@ class SampleOutput:
 class Sampler:
     """Picks one token per row. Stateless; one instance serves every step."""
 
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> Prepared | None:
+        """What the batch's sampling needs that no logits decide: its per-row columns on the device
+        and its noise. Queued while the forward runs, when the logits wait for something else (the
+        masks of a constrained step); None for a batch of plain greedy rows, which needs nothing."""
+        if all(p.is_plain_greedy for p in batch.params):
+            return None
+        rows = _Rows.build(batch, vocab_size, device)
+        noise = None if all(p.is_greedy for p in batch.params) else race_noise(rows.keys, vocab_size)
+        return Prepared(rows, noise)
+
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch, token_mask: torch.Tensor | None = None
+        self, logits: torch.Tensor, batch: SamplingBatch, token_mask: torch.Tensor | None = None,
+        prepared: Prepared | None = None,
     ) -> SampleOutput:
         """Sample the next token of every row.
 
@@ -94,6 +105,7 @@ class Sampler:
           batch: Per-row parameters, histories, seeds and steps.
           token_mask: Optional [B, V] bool, True where a token is allowed
             (the seam for constrained decoding); applied before anything else.
+          prepared: ``prepare(batch, ...)``, when it was queued before the logits were known.
 
         Returns:
           A SampleOutput.
@@ -111,7 +123,9 @@ class Sampler:
         any_penalty = any(p.has_penalties for p in params)
         all_greedy = all(p.is_greedy for p in params)
 
-        rows = _Rows.build(batch, V, logits.device)
+        if prepared is None:
+            prepared = self.prepare(batch, V, logits.device)
+        rows = prepared.rows
         if any_bias:
             x = apply_logit_bias(x, params)
         if any_penalty:
@@ -119,7 +133,7 @@ class Sampler:
         if all_greedy:
             tokens = greedy_tokens(x)
         else:
-            tokens = _draw(_filter(x, rows, params), rows)
+            tokens = _draw(_filter(x, rows, params), prepared.noise)
             if any(p.is_greedy for p in params):
                 tokens = torch.where(rows.greedy, x.argmax(dim=-1), tokens)
 
@@ -172,6 +186,14 @@ class _Rows:
         )
         ints = to_device(ints, device)
         return cls(*floats.T[:, :, None], ints[:, 0:1], ints[:, 1] != 0, ints[:, 2:4])
+
+
+@attrs.frozen
+class Prepared:
+    """A batch's ``Sampler.prepare``: its per-row columns, and the race's noise (None: all greedy)."""
+
+    rows: _Rows
+    noise: torch.Tensor | None
 
 
 def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -275,12 +297,18 @@ def _prefix_threshold(
     return ranked.gather(1, kept - 1), kept
 
 
-def _draw(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """The seeded draw from filtered logits; x: [B, V] -> [B] token ids."""
-    u = uniform_noise(rows.keys, x.shape[1])
-    # Exponential race: argmax p / E with E = -log(u) ~ Exp(1), taken in log
-    # space (x - log E) so that no softmax is needed.
-    return (x - (-u.log()).log()).argmax(dim=-1)
+def _draw(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The seeded draw from filtered logits; x: [B, V], noise: ``race_noise`` -> [B] token ids."""
+    return (x - noise).argmax(dim=-1)
+
+
+def race_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] log E with E = -log(u) ~ Exp(1), u the rows' ``uniform_noise``.
+
+    Exponential race: argmax p / E, taken in log space (x - log E) so that no
+    softmax is needed. It depends on the keys alone: it can be computed before the logits.
+    """
+    return (-uniform_noise(keys, vocab_size).log()).log()
 
 
 def apply_logit_bias(x: torch.Tensor, params: tuple[SamplingParams, ...]) -> torch.Tensor:
@@ -420,10 +448,16 @@ def unpack_token_masks(masks: Sequence[bytes | None], vocab_size: int, device: t
     import numpy as np
 
     width = -(-vocab_size // 8)
-    packed = np.full((len(masks), width), 0xFF, dtype=np.uint8)
+    # Written in place in pinned memory on a GPU: a copy from pageable memory would wait for the
+    # forward the device is running (the masks are filled while it runs), and torch's copy into
+    # pinned memory (``pin_memory()``) runs on its CPU thread pool, beside xgrammar's fill threads.
+    host = torch.empty((len(masks), width), dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+    packed = host.numpy()
     for row, mask in enumerate(masks):
-        if mask is not None:
+        if mask is None:
+            packed[row] = 0xFF
+        else:
             packed[row] = np.frombuffer(mask, dtype=np.uint8, count=width)  # (sized by the engine's checks)
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    words = torch.from_numpy(packed).to(device, non_blocking=True)
+    words = host.to(device, non_blocking=True)
     return ((words.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, :vocab_size].bool()

@@ -43,6 +43,9 @@ class Grammars:
         self.batches.append(len(matchers))
         return [m.mask() for m in matchers]
 
+    def accept(self, matchers, token_ids):
+        return [m.accept(t) for m, t in zip(matchers, token_ids)]
+
 
 def _core(depth: int, **kw) -> tuple[Core, Grammars]:
     core, _ = make("fifo", num_pages=256, page_size=4, depth=depth)

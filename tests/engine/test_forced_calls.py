@@ -77,3 +77,19 @@ def test_a_finished_grammar_allows_only_the_stop_tokens(engine):
         assert matcher.accept(token)
     allowed = np.unpackbits(np.frombuffer(matcher.mask(), dtype=np.uint8), bitorder="little")[:engine.vocab_size]
     assert sorted(np.flatnonzero(allowed)) == sorted(tokenizer.eos_token_ids)
+
+
+def test_accept_in_one_call_matches_each_matcher_alone(engine):
+    """``XGrammars.accept`` (one xgrammar call for a step's rows) says what each matcher's own
+    ``accept`` says: a token the grammar allows, one it forbids (state unchanged), a finished grammar."""
+    from spark.core.grammar import GrammarSpec
+
+    tokenizer = engine.tokenizer
+    grammars = XGrammars(tokenizer, engine.vocab_size)
+    spec = GrammarSpec("json_schema", '{"type": "boolean"}')
+    done, fresh, other = (grammars.matcher(spec) for _ in range(3))
+    for token in tokenizer.encode("true") + [tokenizer.eos_token_ids[0]]:
+        assert done.accept(token)
+    t, x = tokenizer.encode("t")[0], tokenizer.encode("x")[0]
+    assert grammars.accept([done, fresh, other], [x, t, x]) == [True, True, False]
+    assert grammars.accept([other], [t]) == [True]  # the refused token left it where it was

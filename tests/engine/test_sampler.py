@@ -301,6 +301,27 @@ def test_seeded_row_is_independent_of_batch_and_position():
     assert len(set(alone)) > 1  # actually random across steps
 
 
+def test_a_prepared_batch_samples_exactly_as_an_unprepared_one():
+    """``prepare`` (columns and noise queued before the logits exist, as for a step whose masks come
+    late) changes nothing: the same tokens and logprobs, masked or not; a plain greedy batch needs none."""
+    V = 300
+    g = torch.Generator().manual_seed(11)
+    rows = [SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=0),
+            SamplingParams(top_p=0.7, top_k=50, logprobs=2), SamplingParams(min_p=0.05, temperature=1.3)]
+    batch = batch_of(rows, seeds=[7, 8, 9, 10], steps=[0, 4, 2, 9])
+    mask = torch.rand(len(rows), V, generator=g) < 0.3
+    for token_mask in (None, mask):
+        for _ in range(5):
+            x = torch.randn(len(rows), V, generator=g)
+            plain = sampler(x, batch, token_mask)
+            prepared = sampler(x, batch, token_mask, sampler.prepare(batch, V, x.device))
+            assert prepared.token_ids.tolist() == plain.token_ids.tolist()
+            assert torch.equal(prepared.top_logprobs, plain.top_logprobs)
+            if token_mask is not None:
+                assert all(token_mask[r, t] for r, t in enumerate(plain.token_ids.tolist()))
+    assert sampler.prepare(batch_of([SamplingParams(temperature=0)] * 2), V, torch.device("cpu")) is None
+
+
 def test_different_seeds_draw_differently():
     logits = torch.zeros(1, 1000)  # uniform: any shared pattern would show
     draws = {}
