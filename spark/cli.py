@@ -79,7 +79,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     srv.add_argument("--weight-format", choices=("int4", "int8", "dense"), default=None,
                      help="the weights on the CPU: int4 (default), int8, or dense float32 (batch-invariant)")
     srv.add_argument("--cpu-threads", "--threads", type=int, default=None,
-                     help="torch threads of a CPU engine (default: the usable cores less one, at least 1)")
+                     help="torch threads of a CPU engine (default: they follow the cores other processes leave idle, from the usable cores less one up to all of them)")
     srv.add_argument("--api-key", action="append", default=None,
                      help="accepted Bearer key (repeatable; default: none, /v1 is open)")
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")

@@ -110,7 +110,8 @@ class ServeConfig:
         return torch.cuda.is_available()
 
     def resolved_cpu_threads(self) -> int:
-        """``cpu_threads``, or the cores this process may run on less one (the event loop's), at least 1."""
+        """``cpu_threads``, or to start with (``cpu_threads`` None: the engine then follows the idle cores,
+        ``device.IdleCoreThreads``) the cores this process may run on less one, at least 1."""
         if self.cpu_threads is not None:
             return self.cpu_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -48,6 +48,7 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype),
                                      ("weight_format", config.weight_format)) if v is not None})
     threads = config.resolved_cpu_threads()
+    kwargs["adapt_cpu_threads"] = config.cpu_threads is None  # a count the user gave stays
     if config.uses_engine_process():
         from spark.actors.engine_process import EngineProcess
 

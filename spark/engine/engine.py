@@ -34,7 +34,7 @@ from spark.engine.sampler import Prepared, SampleOutput, Sampler, SamplingBatch,
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
 from spark.engine.tokenizer import Tokenizer
-from spark.engine.device import checked_device, default_device
+from spark.engine.device import IdleCoreThreads, checked_device, default_device
 from spark.engine.transfer import HostCopy, upload
 
 log = logging.getLogger("spark.engine")
@@ -100,6 +100,7 @@ class Engine:
         )
         self._seqs: dict[Hashable, Sequence] = {}
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+        self.threads: IdleCoreThreads | None = None  # torch's CPU threads, when they follow the idle cores
         self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         self._seed_rng = random.Random()
         self._inflight: deque[_Launched] = deque()  # launched, not yet collected, oldest first
@@ -118,6 +119,7 @@ class Engine:
         kv_cache_tokens: int | None = None,
         max_model_len: int | None = None,
         weight_format: str | None = None,
+        adapt_cpu_threads: bool = False,
         dummy_config=None,
         progress: bool = True,
     ) -> "Engine":
@@ -131,6 +133,8 @@ class Engine:
             weight_format: "dense", or on the CPU "int4" (4-bit groups of 32, bfloat16 activations) or
               "int8" (int8 rows, bfloat16 activations); None: "int4" on the CPU unless ``dtype`` is
               given, dense elsewhere (see ``Runtime.for_device`` and ``models/quantized.py``).
+            adapt_cpu_threads: on the CPU, let torch's threads follow the cores other processes leave
+              idle, set before each step (``device.IdleCoreThreads``); else they stay as they are.
 
         Raises:
             ModelLoadError: the model cannot be read; its message names the file and the problem.
@@ -153,8 +157,11 @@ class Engine:
             _give_back_freed_heap()
         log.info("loaded %s (%s) on %s, %s weights, in %.1fs", source.path or "dummy", source.kind, runtime.device,
                  runtime.weight_format, time.perf_counter() - t0)
-        return cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
-                   kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len)
+        engine = cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
+                     kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len)
+        if adapt_cpu_threads and runtime.device.type == "cpu":
+            engine.threads = IdleCoreThreads()
+        return engine
 
     def _default_kv_budget(self) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -256,6 +263,8 @@ class Engine:
         if self._late is not None:
             raise RuntimeError("launch() while the last launched step waits for its masks (sample_late)")
         register(self, plan)
+        if self.threads is not None:
+            self.threads.adjust()
         if any(self._waits_on_host(c) for c in plan.chunks):
             self._complete_all()  # penalties and forced tokens need the previous tokens on the host
         elif self.graphs is not None:
