@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import openai
 import pytest
 
 from spark.http import formatting as fmt
 from spark.http.turn import ChatFormat, chat_format, prepare_turn
 from spark.serve_config import ServeConfig
+from tests.http.conftest import API_KEY
 from tests.http.replay import ReplayEngine, qwen_like_tokenizer, replay_server, smollm_tokenizer
 
 MAX_THINKING = 4096
@@ -148,6 +150,49 @@ def test_server_settings_for_thinking():
     assert prepare_turn(tok, on, hello).thinking_budget == 7
     assert prepare_turn(tok, on, hello, enable_thinking=True, thinking_budget=3).thinking_budget == 3
     assert chat_format(ServeConfig(reasoning_parser="none"), tok).reasoning is False
+
+
+@pytest.fixture(scope="module")
+def thinking_off():
+    """A second replay server started with ``--disable-thinking``; yields it and its engine."""
+    engine = ReplayEngine(qwen_like_tokenizer(), REPLIES)
+    with replay_server(engine, disable_thinking=True, max_thinking_budget=MAX_THINKING) as running:
+        yield running, engine
+
+
+def _chat_enable_thinking(server):
+    server.client().chat.completions.create(
+        **_ask("[plain]", extra_body={"chat_template_kwargs": {"enable_thinking": True}}))
+
+
+def _anthropic_thinking_enabled(server):
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120) as claude:
+        claude.messages.create(model="replay", max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
+                               messages=[{"role": "user", "content": "Hello! [plain]"}])
+
+
+def _responses_effort_minimal(server):
+    server.client().responses.create(model="replay", input="Hello! [plain]", reasoning={"effort": "minimal"})
+
+
+@pytest.mark.parametrize("ask, budget", [
+    (_chat_enable_thinking, MAX_THINKING),  # no budget asked: the server's maximum
+    (_anthropic_thinking_enabled, 1024),
+    (_responses_effort_minimal, 128),
+], ids=["chat_template_kwargs", "anthropic_thinking", "responses_effort"])
+def test_disable_thinking_is_a_kill_switch_through_every_api(server, engine, thinking_off, ask, budget):
+    # issue 18.4. On a server that allows thinking, each API's switch turns it on: the template
+    # leaves no empty block and the engine gets the asked budget (so the switch reaches the prompt) ...
+    ask(server)
+    assert not engine.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    assert engine.params[-1].thinking_budget == budget
+    # ... and with --disable-thinking the same request renders thinking off and gets no budget.
+    off, off_engine = thinking_off
+    seen = len(off_engine.prompts)
+    ask(off)
+    assert len(off_engine.prompts) == seen + 1
+    assert off_engine.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert off_engine.params[-1].thinking_budget == 0
 
 
 def test_models_without_think_keep_the_tags_as_content():
