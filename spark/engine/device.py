@@ -68,14 +68,15 @@ class IdleCoreThreads:
     2-core machine's memory bandwidth unused when the machine is otherwise idle. So ``adjust()``, which
     the engine calls before each step from the thread that runs it, looks at most every ``period_s`` at
     the ticks the usable cores ran outside this process and sets the threads to the cores left: fewer
-    at once when others start, more only after ``settle`` quiet looks in a row.
+    at once when others start, more only after ``settle`` quiet looks in a row. A look after the engine
+    was idle only starts a new count (others' work while it waited, another server's say, is past).
 
     Args:
         cores: the CPUs this process may run on (default: its affinity).
         busy_ticks, own_ticks, clock: the readings (``/proc/stat``, ``os.times``), replaceable in tests.
     """
 
-    def __init__(self, cores: frozenset[int] | None = None, *, period_s: float = 0.25, settle: int = 4,
+    def __init__(self, cores: frozenset[int] | None = None, *, period_s: float = 0.25, settle: int = 2,
                  busy_ticks: Callable[[frozenset[int]], int] = _busy_ticks,
                  own_ticks: Callable[[], int] = _own_ticks, clock: Callable[[], float] = time.monotonic):
         self.cores = frozenset(cores if cores is not None else os.sched_getaffinity(0))
@@ -94,6 +95,8 @@ class IdleCoreThreads:
             return self.threads
         busy, own = self._busy_ticks(self.cores), self._own_ticks()
         self._last = (now, busy, own)
+        if now - then > 4 * self.period_s:  # the engine was idle: what others did then is not now
+            return self.threads
         others = max(0.0, (busy - busy_then - (own - own_then)) / self._hz / (now - then))  # in cores
         # A quarter of a core of others' work (daemons, a shell) is noise; a third of one already stalls.
         wanted = max(1, min(len(self.cores), len(self.cores) - math.ceil(others - 0.25)))

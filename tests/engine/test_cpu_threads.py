@@ -3,9 +3,17 @@
 import os
 import threading
 
+import pytest
 import torch
 
 from spark.engine.device import IdleCoreThreads, _busy_ticks, _own_ticks
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 class Machine:
@@ -50,6 +58,17 @@ def test_an_idle_machine_gets_every_core_after_a_settling_time_and_a_busy_core_i
         torch.set_num_threads(before)
 
 
+def test_what_others_did_while_the_engine_was_idle_does_not_count(restore_threads):
+    m = Machine()
+    t = threads_for(m, period_s=0.25, settle=1)
+    m.run(0.3, ours=1.0, others=0.0)
+    assert t.adjust() == 2
+    m.run(5.0, ours=0.0, others=2.0)  # another server ran while this one waited for requests
+    assert t.adjust() == 2  # a new count starts
+    m.run(0.3, ours=2.0, others=0.0)
+    assert t.adjust() == 2
+
+
 def test_a_quiet_look_between_busy_ones_does_not_add_a_thread():
     m = Machine()
     t = threads_for(m, period_s=0.25, settle=2)
@@ -73,7 +92,7 @@ def test_the_count_is_set_in_the_thread_that_adjusts():
     """torch's OpenMP threads are a setting of the thread that runs the ops (the engine's)."""
     before = torch.get_num_threads()
     m = Machine()
-    t = threads_for(m, period_s=0.0, settle=1)
+    t = threads_for(m, period_s=0.5, settle=1)
     seen = []
 
     def engine_thread():
