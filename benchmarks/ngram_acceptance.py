@@ -6,7 +6,7 @@
 The default model is asked, in a chat turn, for a ~300-line file of this repository back with one
 change (a renamed function), and answers greedily. Greedy verification accepts a draft's tokens
 exactly as long as they equal the greedy continuation, so replaying the answer through
-``spark.engine.ngram.NgramIndex`` gives, for each draft length k and n-gram size, what speculation
+``spark.core.ngram.NgramIndex`` gives, for each draft length k and n-gram size, what speculation
 would do on this answer: each verify step drafts from prompt + answer so far, accepts the matching
 prefix and adds the model's own next token. Reported per (n_max, k): the acceptance rate (accepted
 / drafted tokens), tokens per verify step, and the share of steps that had a draft; for the model's
@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 def replay(prompt: list[int], answer: list[int], *, k: int, n_max: int, n_min: int) -> dict:
     """Speculation with greedy verification, replayed over a known greedy ``answer``."""
-    from spark.engine.ngram import NgramIndex
+    from spark.core.ngram import NgramIndex
 
     index = NgramIndex(prompt, n_max=n_max, n_min=n_min)
     done = steps = drafted = accepted = with_draft = 0

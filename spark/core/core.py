@@ -27,6 +27,7 @@ from spark.core.grammar import Grammars, GrammarSpec, Matcher
 from spark.core.interfaces import StepEngine
 from spark.core.plan import Chunk, NewSequence, StepPlan, StepResult
 from spark.core.scheduler import PrefixPin, Scheduler, SeqState
+from spark.core.speculation import SpecConfig, Speculator
 
 log = logging.getLogger("spark.core")
 
@@ -41,6 +42,7 @@ class _Launched:
     error: str | None  # the launch raised
     prompt_marks: tuple[tuple[Hashable, int, int], ...] = ()  # (seq, tokens computed after it, epoch): prefills
     masked_later: tuple[Hashable, ...] = ()  # constrained rows whose masks it waits for (``sample_late``)
+    speculated: tuple[tuple[Hashable, int], ...] = ()  # (seq, tokens drafted): decodes of speculating sequences
 
 
 class Core:
@@ -54,13 +56,15 @@ class Core:
         faults: steps to raise and requests to fail on purpose (``spark.core.faults``).
         grammars: builds the matchers of constrained requests (``spark.core.grammar``); None: a
             request with a grammar fails.
+        speculation: how requests speculate (``spark.core.speculation``); None: none does.
     """
 
     def __init__(self, engine: StepEngine, scheduler: Scheduler, *, depth: int = DEFAULT_DEPTH,
                  clock: Callable[[], float] = time.perf_counter, faults: Faults = Faults(),
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, speculation: SpecConfig | None = None):
         self.engine, self.scheduler = engine, scheduler
         self.grammars = grammars
+        self.speculator = Speculator(speculation) if speculation is not None else None
         self._matchers: dict[Hashable, Matcher] = {}
         self._sampling: dict[Hashable, int] = {}  # constrained: tokens launched, not yet collected
         self.faults = faults
@@ -69,7 +73,7 @@ class Core:
         self._doomed: set[Hashable] = set()  # requests a fault fails at their first result
         self.depth = max(1, depth)
         self.clock = clock
-        self._pending: dict[Hashable, tuple[NewSequence, float, tuple[PrefixPin, ...], GrammarSpec | None]] = {}  # submitted, not admitted
+        self._pending: dict[Hashable, tuple[NewSequence, float, tuple[PrefixPin, ...], GrammarSpec | None, bool]] = {}  # submitted, not admitted
         self._active: set[Hashable] = set()  # admitted, not ended
         self._added: list[NewSequence] = []  # to register with the engine in the next plan
         self._removed: list[Hashable] = []  # the engine must forget
@@ -79,15 +83,18 @@ class Core:
         self._queue_times: list[float] = []
         self._steps: list[StepShape] = []
         self._reported = (0, 0, 0)  # prefix cache totals at the last metrics snapshot
+        self._reported_spec = (0, 0, 0, 0)  # speculation totals then
 
     # -- requests ---------------------------------------------------------
     def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None,
-               pins: Sequence[PrefixPin] = (), grammar: GrammarSpec | None = None) -> None:
+               pins: Sequence[PrefixPin] = (), grammar: GrammarSpec | None = None, speculate: bool = True) -> None:
         """Queue a request; it is admitted (``Opened``) when the batch has room. ``pins``: prefixes of
         it to keep cached for a while after it ends (prefix caching only); ``grammar``: what its
-        output must follow."""
+        output must follow; ``speculate``: False opts it out of speculation (a constrained request
+        never speculates: its masks follow one token at a time)."""
         arrival = self.clock() if arrival is None else arrival
-        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival, tuple(pins), grammar)
+        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival, tuple(pins), grammar,
+                                     speculate)
 
     def cancel(self, request_id: Hashable) -> None:
         """End a request wherever it is (its pages are free for the next plan); unknown ids are ignored."""
@@ -115,12 +122,15 @@ class Core:
         """
         events: list[Event] = []
         self._admit(events)
+        # Drafts need every token on the host: while sequences speculate, nothing is planned behind
+        # a step in flight.
+        depth = 1 if self._speculating() else self.depth
         launched = False
-        while len(self._inflight) < self.depth and not self._waits_for_masks():
+        while len(self._inflight) < depth and not self._blocked():
             if not self._launch_next(events):
                 break
             launched = True
-        if self._inflight and (len(self._inflight) >= self.depth or not launched or self._waits_for_masks()):
+        if self._inflight and (len(self._inflight) >= depth or not launched or self._blocked()):
             self._collect_oldest(events)
         elif not self._inflight:
             self._unblock(events)
@@ -140,12 +150,18 @@ class Core:
         totals = (s.prefix_queried, s.prefix_hit, s.allocator.evictions)
         queried, hit, evicted = (now - before for now, before in zip(totals, self._reported))
         self._reported = totals
+        spec = ()
+        if self.speculator is not None:
+            c = self.speculator.counts
+            now_spec = (c.drafted, c.accepted, c.steps, c.tokens)
+            spec = tuple(now - before for now, before in zip(now_spec, self._reported_spec))
+            self._reported_spec = now_spec
         snapshot = CoreMetrics(
             kv_pages_used=s.allocator.num_used, kv_pages_total=s.allocator.num_total,
             requests_running=len(s.running), requests_waiting=len(self._pending) + len(s.waiting),
             queue_times=tuple(self._queue_times), steps=tuple(self._steps),
             prefix_cached_pages=s.allocator.num_cached, prefix_queried_tokens=queried, prefix_hit_tokens=hit,
-            prefix_evictions=evicted, prefix_pinned_pages=s.allocator.num_pinned,
+            prefix_evictions=evicted, prefix_pinned_pages=s.allocator.num_pinned, speculation=spec,
         )
         self._queue_times.clear()
         self._steps.clear()
@@ -155,7 +171,7 @@ class Core:
     def _admit(self, events: list[Event]) -> None:
         while self._pending and self.scheduler.has_room():
             request_id = next(iter(self._pending))
-            new, arrival, pins, grammar = self._pending.pop(request_id)
+            new, arrival, pins, grammar, speculate = self._pending.pop(request_id)
             if grammar is not None:
                 failure = self._start_grammar(request_id, grammar)
                 if failure is not None:
@@ -166,6 +182,8 @@ class Core:
             if self.faults.every_nth_request and self._admissions % self.faults.every_nth_request == 0:
                 self._doomed.add(request_id)
             self._added.append(new)
+            if self.speculator is not None and speculate and grammar is None:
+                self.speculator.start(request_id, new.prompt_ids)
             n = len(new.prompt_ids)
             self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids, pins=pins))
             events.append(Opened(request_id))
@@ -202,9 +220,10 @@ class Core:
                 out[row] = attrs.evolve(chunks[row], token_mask=mask)
         return out, tuple(later)
 
-    def _waits_for_masks(self) -> bool:
-        """The newest launched step waits for its late masks: nothing launches behind it until then."""
-        return bool(self._inflight and self._inflight[-1].masked_later)
+    def _blocked(self) -> bool:
+        """Nothing may launch behind the newest step: it waits for its late masks, or its speculating
+        sequences' next drafts need its tokens."""
+        return bool(self._inflight and (self._inflight[-1].masked_later or self._inflight[-1].speculated))
 
     def _sample_late(self, events: list[Event]) -> None:
         """The step that waits for masks is the oldest now (the tokens its masks depend on are all
@@ -236,6 +255,9 @@ class Core:
         later = ()
         if self._matchers:
             chunks, later = self._masked(chunks)
+        speculated = ()
+        if not self._inflight and self._speculating():
+            chunks, speculated = self._speculate(chunks)
         for seq_id in self.scheduler.started_now:  # their first chunk
             seq = self.scheduler.seq(seq_id)
             self._queue_times.append(now - seq.arrival)
@@ -258,8 +280,34 @@ class Core:
             error = None
         except Exception as exc:
             error, later = step_failure(exc), ()
-        self._inflight.append(_Launched(plan.chunks, at, error, marks, later))
+        self._inflight.append(_Launched(plan.chunks, at, error, marks, later, speculated))
         return True
+
+    def _speculating(self) -> bool:
+        return self.speculator is not None and self.speculator.on(len(self.scheduler.running))
+
+    def _speculate(self, chunks: list[Chunk]) -> tuple[list[Chunk], tuple[tuple[Hashable, int], ...]]:
+        """Draft after the speculating decodes (every token known: nothing is in flight), growing their
+        chunks and pages; the verify chunks go after the plain decodes (the attention kernels take a
+        step's single-token rows first)."""
+        decodes, verifies, rest, speculated = [], [], [], []
+        limit_of = self.engine.max_model_len
+        for chunk in chunks:
+            seq = self.scheduler.seq(chunk.seq_id)
+            if chunk.num_tokens != 1 or chunk.seq_id not in self.speculator or seq.num_computed != seq.num_tokens - 1:
+                (decodes if chunk.num_tokens == 1 else rest).append(chunk)
+                continue
+            # the draft's positions stay inside the context; ``seq`` counts the token being sampled
+            draft = self.speculator.draft(chunk.seq_id, limit_of - seq.num_tokens)
+            if draft:
+                table, n = self.scheduler.speculate(chunk.seq_id, len(draft))
+                draft = draft[:n]
+            if draft:
+                verifies.append(attrs.evolve(chunk, num_tokens=1 + len(draft), block_table=table, draft=draft))
+            else:
+                decodes.append(chunk)
+            speculated.append((chunk.seq_id, len(draft)))
+        return decodes + verifies + rest, tuple(speculated)
 
     def _collect_oldest(self, events: list[Event]) -> None:
         step = self._inflight.popleft()
@@ -273,12 +321,13 @@ class Core:
         # The device time of a pipelined step: from when it could start (launched, and the
         # one before it done) to its end.
         seconds, self._last_done = done - max(step.at, self._last_done), done
-        self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events, step.prompt_marks)
+        self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events, step.prompt_marks,
+                      step.speculated)
         if self._inflight and self._inflight[0].masked_later:
             self._sample_late(events)
 
     def _account(self, chunks: tuple[Chunk, ...], result: StepResult, now: float, events: list[Event],
-                 marks: tuple = ()) -> None:
+                 marks: tuple = (), speculated: tuple = ()) -> None:
         if result.error is not None:
             self.scheduler.allocator.forget_cached()  # the pages this step was to fill hold no known prefix
             for c in chunks:
@@ -303,6 +352,8 @@ class Core:
         if self.scheduler.prefix_caching:  # the generated tokens, for the pages they fill
             for out in outputs:
                 self.scheduler.seq(out.seq_id).output_ids.append(out.token_id)
+        if self.speculator:
+            self._settle_speculation(outputs, speculated)
         for out in outputs:
             if out.finish_reason is not None:
                 # the engine forgot it already; only the pages and our records remain
@@ -310,8 +361,29 @@ class Core:
                 self._matchers.pop(out.seq_id, None)
                 self._sampling.pop(out.seq_id, None)
                 self._active.discard(out.seq_id)
+                if self.speculator is not None:
+                    self.speculator.forget(out.seq_id)
         if outputs:
             events.append(TokenBatch(outputs, now))
+
+    def _settle_speculation(self, outputs: tuple, speculated: tuple) -> None:
+        """Feed the tokens to the drafts; roll back what the verify chunks drafted and did not emit."""
+        emitted: dict[Hashable, list[int]] = {}
+        ended = set()
+        for out in outputs:
+            if out.seq_id in self.speculator:
+                emitted.setdefault(out.seq_id, []).append(out.token_id)
+                if out.finish_reason is not None:
+                    ended.add(out.seq_id)
+        for seq_id, tokens in emitted.items():
+            self.speculator.extend(seq_id, tokens)
+        for seq_id, drafted in speculated:
+            if seq_id not in self._active:
+                continue  # cancelled meanwhile: its pages are gone
+            got = len(emitted.get(seq_id, ()))
+            self.speculator.observe(drafted, got)
+            if drafted and seq_id not in ended:  # (an ended one's pages all go)
+                self.scheduler.rollback(seq_id, drafted + 1 - got)
 
     def _advance_grammars(self, chunks, outputs, events: list[Event]) -> None:
         for chunk in chunks:
@@ -335,8 +407,8 @@ class Core:
         """The step's time and shape. A pipelined plan names sequences that ended one step
         before; the engine skips them, so only rows that gave a token count."""
         sampled = {o.seq_id for o in result.outputs}
-        rows = sum(1 for c in chunks if c.num_tokens == 1 and c.seq_id in sampled)
-        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        rows = sum(1 for c in chunks if (c.num_tokens == 1 or c.draft) and c.seq_id in sampled)
+        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1 and not c.draft)
         if rows or prefill:
             self._steps.append(StepShape(result.seconds, rows, prefill))
 
@@ -374,6 +446,8 @@ class Core:
         self._sampling.pop(request_id, None)
         self._active.discard(request_id)
         self._doomed.discard(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         unregistered = [n for n in self._added if n.seq_id == request_id]
         if unregistered:  # the engine never saw it: nothing to forget
             self._added.remove(unregistered[0])

@@ -72,3 +72,6 @@ class CoreMetrics:
     prefix_hit_tokens: int = 0  # of those, found cached
     prefix_evictions: int = 0  # cached pages given out again, since the last snapshot
     prefix_pinned_pages: int = 0  # pages a pin keeps cached (stored Responses, cache_control)
+    # speculation since the last snapshot: (tokens drafted, of those accepted, decodes of speculating
+    # sequences, tokens those emitted); () when no request speculates
+    speculation: tuple[int, ...] = ()

@@ -255,17 +255,29 @@ class PageAllocator:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        return sum(self._release(page) for page in table)
+
+    def _release(self, page: int) -> int:
+        """One holder less for ``page``; 1 when it left every holder (and went back to the pool)."""
+        self._refcount[page] -= 1
+        if self._refcount[page]:
+            return 0
+        if page in self._pin_count:
+            self._kept.add(page)  # kept by its pin; evictable when the pin ends
+        elif page in self._hash_of:
+            self._evictable[page] = None  # the most recently used
+        else:
+            self._free.append(page)
+        return 1
+
+    def truncate(self, seq_id, num_tokens: int) -> int:
+        """Shrink ``seq_id``'s pages to those ``num_tokens`` tokens need (speculated tokens rejected:
+        the pages past them hold nothing kept). Returns the pages released."""
+        table = self._tables[seq_id]
+        keep = self.pages_for(num_tokens)
         released = 0
-        for page in table:
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
-                if page in self._pin_count:
-                    self._kept.add(page)  # kept by its pin; evictable when the pin ends
-                elif page in self._hash_of:
-                    self._evictable[page] = None  # the most recently used
-                else:
-                    self._free.append(page)
-                released += 1
+        while len(table) > keep:
+            released += self._release(table.pop())
         return released
 
     def block_table(self, seq_id) -> tuple[int, ...]:

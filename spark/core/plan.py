@@ -6,10 +6,10 @@ compute. A chunk is "compute ``num_tokens`` more tokens of this sequence, held i
 these pages"; prefill, chunked prefill and decode are one case of it, and a
 sequence whose computed tokens reach its known tokens samples its next token.
 
-Room for what comes next: a chunk already counts any number of tokens, so verifying
-speculated tokens is a chunk over more than one new token; a chunk carries its row's
-token mask (grammar); a rank's slice of a group (tensor parallelism) is the engine's
-``Runtime``, and the same plan goes to every rank.
+Speculation (``speculation.py``) is a chunk too: the last known token and the ``draft`` after
+it, verified in one forward, with logits at every position; the step gives back the tokens it
+accepts (one or more). A chunk carries its row's token mask (grammar); a rank's slice of a
+group (tensor parallelism) is the engine's ``Runtime``, and the same plan goes to every rank.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ class Chunk:
     bit i of the little-endian bytes allows token i (xgrammar's int32 bitmask, as bytes).
     ``mask_later``: it has a mask, which depends on a token still being sampled; the engine runs the
     forward and waits for ``StepEngine.sample_late`` before it samples.
+    ``draft``: speculated tokens after the sequence's last known token (``num_tokens`` is then
+    ``1 + len(draft)``): each position samples, and the step emits the samples up to the first
+    that differs from the draft, that one included.
     """
 
     seq_id: Hashable
@@ -34,6 +37,7 @@ class Chunk:
     block_table: tuple[int, ...]
     token_mask: bytes | None = None
     mask_later: bool = False
+    draft: tuple[int, ...] = ()
 
 
 @attrs.frozen

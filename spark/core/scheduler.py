@@ -169,6 +169,29 @@ class Scheduler:
                     if seq.last_token_time is None:
                         seq.last_token_time = now  # its deadlines count from its first token, due now
 
+    def speculate(self, request_id: Hashable, extra: int) -> tuple[tuple[int, ...], int]:
+        """Grow a decode planned by the last ``schedule`` by up to ``extra`` speculated tokens, as far as
+        the free pages allow (it never preempts). Returns (its block table, the tokens added)."""
+        seq = self._seqs[request_id]
+        size = self.allocator.page_size
+        held = len(self.allocator.block_table(request_id))
+        extra = max(0, min(extra, (held + self.allocator.num_free) * size - seq.num_computed))
+        table = self.allocator.append(request_id, seq.num_computed + extra)
+        seq.num_computed += extra
+        seq.num_tokens += extra  # each speculated position may sample one more
+        return table, extra
+
+    def rollback(self, request_id: Hashable, rejected: int) -> None:
+        """A collected step rejected the last ``rejected`` speculated tokens of ``request_id``: they
+        are neither known nor computed, and the pages that held only them go back to the pool."""
+        seq = self._seqs.get(request_id)
+        if seq is None or rejected <= 0:
+            return
+        seq.num_computed -= rejected
+        seq.num_tokens -= rejected
+        if self.allocator.has(request_id):
+            self.allocator.truncate(request_id, seq.num_computed)
+
     def on_step_done(self, planned: Iterable[Chunk], sampled: Iterable[Hashable], now: float, seconds: float) -> None:
         """Account a finished step: its time (for the policy) and when its tokens came."""
         planned = list(planned)

@@ -30,7 +30,7 @@ from spark.engine.models.runtime import Model, Runtime, build_model
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan, TokenOutput
-from spark.engine.sampler import Prepared, SampleOutput, Sampler, SamplingBatch, unpack_token_masks
+from spark.engine.sampler import Prepared, SampleOutput, Sampler, SamplingBatch, unpack_token_masks, verified
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
 from spark.engine.tokenizer import Tokenizer
@@ -51,6 +51,7 @@ class _Launched:
     """A step queued on the device: who samples, and its samples until they are read back."""
 
     seq_ids: list[Hashable]  # one per sampled row, in plan order
+    drafts: dict[int, tuple[int, ...]] = attrs.field(factory=dict)  # first row of a verify chunk -> its draft
     token_ids: torch.Tensor | None = None  # [N] on the device: the next step's inputs read it
     samples: HostCopy | None = None  # token ids, chosen logprobs, top ids, top logprobs
     outputs: list[TokenOutput] | None = None  # once completed
@@ -270,6 +271,8 @@ class Engine:
         elif self.graphs is not None:
             self._bound_ring_readers()
         ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
+        logit_rows: list[int] = []  # the flat rows whose logits are computed: each chunk's last, a verify's every one
+        drafts: dict[int, tuple[int, ...]] = {}
         feeds: dict[_Launched, tuple[list[int], list[int]]] = {}  # launched step -> (rows of ids, rows of its tokens)
         kept: list[Chunk] = []
         page_size = self.page_size
@@ -278,8 +281,13 @@ class Engine:
             if s is None or s.ends_by_length_before(self.max_model_len):
                 continue
             start, end = s.num_computed, s.num_computed + chunk.num_tokens
-            if chunk.num_tokens < 1 or end > s.num_planned:
+            draft = chunk.draft
+            if s.verifying:
+                raise ValueError(f"{chunk.seq_id!r} is planned behind its verify step, whose tokens are not known yet")
+            if chunk.num_tokens < 1 or end - len(draft) > s.num_planned:
                 raise ValueError(f"plan asks {chunk.num_tokens} tokens of {chunk.seq_id!r}, {s.num_planned - start} left")
+            if draft and (s.pending or end != s.num_planned + len(draft)):
+                raise ValueError(f"the draft of {chunk.seq_id!r} must follow its last token, known on the host")
             if len(chunk.block_table) * page_size < end:
                 raise ValueError(f"block table of {chunk.seq_id!r} holds {len(chunk.block_table)} pages, needs {end} tokens")
             if chunk.token_mask is not None and len(chunk.token_mask) * 8 < self.config.vocab_size:
@@ -289,6 +297,8 @@ class Engine:
             for pos in range(start, end):
                 if pos < known:
                     ids.append(s.token(pos))
+                elif draft:
+                    ids.append(draft[pos - known])
                 else:  # sampled by a launched step: read on the device
                     launched, row = s.pending[pos - known]
                     dst, src = feeds.setdefault(launched, ([], []))
@@ -299,18 +309,28 @@ class Engine:
                 slots.append(chunk.block_table[pos // page_size] * page_size + pos % page_size)
             qsl.append(qsl[-1] + chunk.num_tokens)
             seq_lens.append(end)
-            if end == s.num_planned:
-                sample_rows.append(len(kept))  # logits come one row per chunk: its last token
-                samplers.append(chunk.seq_id)
+            if draft:  # every position samples: the token after it, if the draft holds that far
+                drafts[len(samplers)] = draft
+                sample_rows.extend(range(len(logit_rows), len(logit_rows) + chunk.num_tokens))
+                logit_rows.extend(range(qsl[-2], qsl[-1]))
+                samplers.extend([chunk.seq_id] * chunk.num_tokens)
+            else:
+                if end == s.num_planned:
+                    sample_rows.append(len(logit_rows))
+                    samplers.append(chunk.seq_id)
+                logit_rows.append(qsl[-1] - 1)
             kept.append(chunk)
 
-        step = _Launched(samplers)
+        step = _Launched(samplers, drafts)
         if kept:
-            self._queue(step, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds)
+            self._queue(step, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds,
+                        logit_rows if drafts else None)
         self._inflight.append(step)  # only once queued: a launch that raised leaves nothing to collect
 
-    def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds) -> None:
-        """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device."""
+    def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds,
+               logit_rows=None) -> None:
+        """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device
+        (``logit_rows``: the rows whose logits are needed, when not each chunk's last)."""
         dev = self.device
         # (tokens, rows, picks): ids[rows] = tokens[picks], on the device, for each launched step read from.
         fed = [(launched.token_ids, dst, src) for launched, (dst, src) in feeds.items()]
@@ -320,17 +340,19 @@ class Engine:
         if decode_only and self.graphs is not None:
             replayed = self.graphs.run(ids, positions, slots, seq_lens, tables, fed)
         if replayed is None:
-            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed)
+            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed, logit_rows)
         else:
             logits, greedy = replayed
         for chunk in kept:
             self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
         if not step.seq_ids:
             return
-        seqs = [self._seqs[i] for i in step.seq_ids]
-        for row, s in enumerate(seqs):
+        for row, seq_id, draft in _groups(step):
+            s = self._seqs[seq_id]
             s.pending.append((step, row))
-        rows = [kept[r] for r in sample_rows]
+            s.verifying = bool(draft)
+        sampling = set(step.seq_ids)
+        rows = [c for c in kept if c.seq_id in sampling]
         greedy = None if replayed is None else replayed[1]
         step.unsampled = (logits, greedy, sample_rows, len(sample_rows) == len(ids))
         masks = {c.seq_id: c.token_mask for c in rows if c.token_mask is not None}
@@ -339,7 +361,7 @@ class Engine:
             self._late = step  # sampled by sample_late, once its late rows' masks are known
             # Meanwhile the device gets what the sampling needs besides the logits (the rows'
             # columns, the draw's noise): sample_late then queues only what the masks decide.
-            step.prepared = self.sampler.prepare(self._sampling_batch(seqs), self.config.vocab_size, self.device)
+            step.prepared = self.sampler.prepare(self._sampling_batch(step), self.config.vocab_size, self.device)
         else:
             self._sample(step, masks)
 
@@ -380,24 +402,27 @@ class Engine:
         else:
             if len(sample_rows) != logits.shape[0]:
                 logits = logits[upload(sample_rows, torch.int64, self.device)]
-            result = self.sampler(logits, self._sampling_batch(seqs), token_mask, step.prepared)
+            result = self.sampler(logits, self._sampling_batch(step), token_mask, step.prepared)
         step.token_ids, step.prepared = result.token_ids, None
         step.samples = HostCopy((result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs))
 
-    @staticmethod
-    def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
-        """The sampler's rows of a launched step's sequences (each has the step in its ``pending``;
-        a step it was launched behind moves a token from ``pending`` to ``output_ids``, which keeps
-        its ``steps``)."""
-        return SamplingBatch(
-            params=tuple(s.params for s in seqs),
-            token_histories=tuple(
-                (tuple(s.prompt_ids), tuple(s.output_ids)) if s.params.has_penalties else ((), ())
-                for s in seqs
-            ),
-            seeds=tuple(s.seed for s in seqs),
-            steps=tuple(len(s.output_ids) + len(s.pending) - 1 for s in seqs),
-        )
+    def _sampling_batch(self, step: _Launched) -> SamplingBatch:
+        """The sampler's rows of a launched step (each sequence has the step in its ``pending``; a
+        step it was launched behind moves a token from ``pending`` to ``output_ids``, which keeps
+        its ``steps``). Row ``i`` of a verify chunk samples as if the draft's first ``i`` tokens were
+        output already, which they are when that row's sample is emitted: the same step (its noise)
+        and the same penalties as without speculation."""
+        params, histories, seeds, steps = [], [], [], []
+        for _, seq_id, draft in _groups(step):
+            s = self._seqs[seq_id]
+            done = len(s.output_ids) + len(s.pending) - 1
+            for i in range(1 + len(draft)):
+                params.append(s.params)
+                histories.append((tuple(s.prompt_ids), tuple(s.output_ids) + draft[:i]) if s.params.has_penalties
+                                 else ((), ()))
+                seeds.append(s.seed)
+                steps.append(done + i)
+        return SamplingBatch(params=params, token_histories=histories, seeds=seeds, steps=steps)
 
     def collect(self) -> list[TokenOutput]:
         """Wait for the oldest launched step; its ``TokenOutput``s, in plan order."""
@@ -449,8 +474,10 @@ class Engine:
         while len(self._ended) > _MAX_ENDED:
             self._ended.popitem(last=False)
 
-    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only, feeds=()) -> torch.Tensor:
-        """The forward of any flat batch. Returns logits of each sequence's last row, or of every row when decoding."""
+    def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only, feeds=(),
+                       logit_rows=None) -> torch.Tensor:
+        """The forward of any flat batch. Returns logits of each sequence's last row (of every row when
+        decoding), or of ``logit_rows``."""
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -471,8 +498,11 @@ class Engine:
             self.kv_cache.layers,
             meta,
         )
-        last_rows = upload(qsl[1:], torch.int64, dev) - 1  # [B]: each sequence's last new token
-        return self.model.compute_logits(hidden[last_rows])
+        if logit_rows is None:
+            logit_rows = upload(qsl[1:], torch.int64, dev) - 1  # [B]: each sequence's last new token
+        else:
+            logit_rows = upload(logit_rows, torch.int64, dev)
+        return self.model.compute_logits(hidden[logit_rows])
 
     # -- CUDA graphs ------------------------------------------------------
     def enable_cuda_graphs(self, max_batch_size: int) -> bool:
@@ -501,29 +531,48 @@ class Engine:
             return []
         token_ids, chosen_lp, top_ids, top_lp = step.samples.read()
         outputs = []
-        for row, (seq_id, token) in enumerate(zip(step.seq_ids, token_ids)):
+        for first, seq_id, draft in _groups(step):
             s = self._seqs.get(seq_id)
             if s is None:
                 continue  # removed while its step ran
             s.pending.popleft()
+            s.verifying = False
             if s.ended:
                 if not s.pending:
                     self._forget(seq_id)
                 continue  # a step launched before the end was known: its token is dropped
-            token, reason = s.accept(token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                                     think_tags=self.think_tags)
-            k = s.params.logprobs
-            top = tuple(zip(top_ids[row][:k], top_lp[row][:k])) if k and top_ids is not None else ()
-            if reason is not None:
-                s.ended = True
-                if not s.pending:
-                    self._forget(seq_id)
-            outputs.append(TokenOutput(
-                seq_id, token,
-                logprob=chosen_lp[row] if k is not None and chosen_lp is not None else None,
-                top_logprobs=top, finish_reason=reason,
-            ))
+            # A verify chunk's rows after the first sample that differs from the draft were computed
+            # after a rejected token (``verified``); a forced token in the run rejects the rest too.
+            run = verified(token_ids[first:first + 1 + len(draft)], draft) if draft else 1
+            for row in range(first, first + run):
+                token, reason = s.accept(token_ids[row], eos_token_ids=self.eos_token_ids,
+                                         max_model_len=self.max_model_len, think_tags=self.think_tags)
+                k = s.params.logprobs
+                top = tuple(zip(top_ids[row][:k], top_lp[row][:k])) if k and top_ids is not None else ()
+                if reason is not None:
+                    s.ended = True
+                    if not s.pending:
+                        self._forget(seq_id)
+                outputs.append(TokenOutput(
+                    seq_id, token,
+                    logprob=chosen_lp[row] if k is not None and chosen_lp is not None else None,
+                    top_logprobs=top, finish_reason=reason,
+                ))
+                if reason is not None or token != token_ids[row]:
+                    break
+            if draft and not s.ended:
+                s.num_computed = s.num_tokens - 1  # the K/V of rejected positions is written over next
         return outputs
+
+
+def _groups(step: _Launched):
+    """(first row, sequence, draft) of each sequence a launched step samples: one row, or a verify
+    chunk's ``1 + len(draft)``."""
+    row = 0
+    while row < len(step.seq_ids):
+        draft = step.drafts.get(row, ())
+        yield row, step.seq_ids[row], draft
+        row += 1 + len(draft)
 
 
 def _give_back_freed_heap() -> None:

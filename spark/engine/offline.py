@@ -14,6 +14,7 @@ from spark.core.events import Failed, TokenBatch
 from spark.core.plan import TokenOutput
 from spark.core.policies import Limits, make_policy
 from spark.core.scheduler import Scheduler
+from spark.core.speculation import SpecConfig
 from spark.engine.engine import Engine
 from spark.engine.sampling import SamplingParams
 
@@ -26,12 +27,14 @@ def generate(
     max_prefill_tokens: int | None = None,
     max_batch_size: int = 256,
     on_token: Callable[[int, TokenOutput], None] | None = None,
+    speculation: SpecConfig | None = None,
 ) -> list[list[TokenOutput]]:
     """Run prompts to completion.
 
     Args:
       on_token: called with ``(prompt index, output)`` for each token as it comes (``spark generate``
         prints them so).
+      speculation: how the prompts speculate (``spark.core.speculation``); None: they do not.
 
     Each step decodes every running sequence and fills the rest with prefill chunks
     of waiting ones (at most ``max_prefill_tokens`` prompt tokens per step, so long
@@ -47,7 +50,7 @@ def generate(
         params = [params] * len(prompts)
     limits = Limits(max_prefill_tokens=max_prefill_tokens or engine.max_model_len)
     scheduler = Scheduler(engine.new_page_allocator(), make_policy("fifo", limits), max_batch_size=max_batch_size)
-    core = Core(engine, scheduler)
+    core = Core(engine, scheduler, speculation=speculation)
     base = object()  # private ids: never collide with a caller's sequences
     for i, prompt in enumerate(prompts):
         core.submit((base, i), prompt, params[i])

@@ -221,6 +221,23 @@ def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
     return (index.gather(1, chunk) + chunk * width).squeeze(1)
 
 
+def verified(samples: Sequence[int], draft: Sequence[int]) -> int:
+    """How many of a verify chunk's samples are emitted: those up to the first that differs from the
+    draft, that one included (``samples[i]`` was drawn at the position after ``draft[:i]``).
+
+    This is rejection sampling for a draft that is a point mass q = [d]: each row samples from its
+    own distribution p, processed as without speculation, by the exponential race (``race_noise``).
+    The race's winner is d with probability p(d) (accept), and given that it is not d it is
+    distributed as p with d removed and renormalised (the resample on rejection). Greedy rows
+    accept the longest prefix equal to the argmax chain. And since a row's noise is keyed by the
+    sequence's seed and the sample's index, speculation never changes which tokens a seed gives.
+    """
+    n = 0
+    while n < len(draft) and samples[n] == draft[n]:
+        n += 1
+    return n + 1
+
+
 def _unseeded(params: tuple[SamplingParams, ...]) -> SamplingBatch:
     """A batch for the stages that read only params (the public helpers below)."""
     n = len(params)

@@ -32,6 +32,7 @@ class Sequence:
     # (step, row): their tokens exist only on the device until the step is collected.
     pending: deque = attrs.Factory(deque)
     ended: bool = False  # a collected step finished it (while later launched steps still held it)
+    verifying: bool = False  # a launched step verifies its draft: how many tokens it gets is not known yet
 
     @property
     def num_tokens(self) -> int:

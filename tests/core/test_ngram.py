@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from spark.engine.ngram import NgramIndex
+from spark.core.ngram import NgramIndex
 
 
 def scan_draft(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
