@@ -99,6 +99,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     srv.add_argument("--access-log", action="store_true", help="print one line per HTTP request to stdout")
     srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                      help="compute every prompt in full (default: reuse the cached pages of a prompt's known prefix)")
+    srv.add_argument("--speculative", choices=("ngram", "none"), default=None,
+                     help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one "
+                          "forward (output unchanged); none (default): off")
+    srv.add_argument("--spec-tokens", type=int, default=None, help="drafted tokens per step at most (default 4)")
+    srv.add_argument("--spec-ngram", type=int, default=None,
+                     help="longest n-gram of the context's end looked up for a draft (default 4)")
+    srv.add_argument("--spec-max-batch", type=int, default=None,
+                     help="speculation is off while more sequences than this decode (default 8)")
 
     chat = sub.add_parser("chat", help="talk to a model in the terminal")
     chat.add_argument("--url", default=None, help="a running Spark server (default: start the default model here)")
@@ -178,7 +186,8 @@ def _serve(args) -> int:
         **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,
-        prefix_caching=args.prefix_caching,
+        prefix_caching=args.prefix_caching, speculative=args.speculative, spec_tokens=args.spec_tokens,
+        spec_ngram=args.spec_ngram, spec_max_batch=args.spec_max_batch,
     )
     serve(config, access_log=args.access_log)
     return 0

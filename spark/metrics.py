@@ -73,6 +73,16 @@ class Metrics:
             registry=r)
         self.prefix_evictions = Counter(
             "spark_prefix_cache_evictions", "Cached pages given out again for other tokens", registry=r)
+        # Speculative decoding: acceptance rate = accepted / drafted; tokens per step of a speculating
+        # sequence = emitted / steps (1 without speculation).
+        self.spec_drafted_tokens = Counter(
+            "spark_spec_drafted_tokens", "Tokens drafted for speculative decoding", registry=r)
+        self.spec_accepted_tokens = Counter(
+            "spark_spec_accepted_tokens", "Drafted tokens accepted (emitted)", registry=r)
+        self.spec_steps = Counter(
+            "spark_spec_steps", "Decode steps of speculating sequences (with a draft or not)", registry=r)
+        self.spec_emitted_tokens = Counter(
+            "spark_spec_emitted_tokens", "Tokens those steps emitted", registry=r)
         self.prompt_tokens = Counter("spark_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("spark_generation_tokens", "Tokens generated", registry=r)
         # What each engine step held and took: the shape of the batches explains throughput.

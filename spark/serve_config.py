@@ -16,6 +16,7 @@ import cattrs
 from spark import parsers
 from spark.core.faults import Faults
 from spark.core.policies import POLICIES
+from spark.core.speculation import METHODS as SPECULATIVE_METHODS, SpecConfig
 
 SCHEDULER_POLICIES = tuple(POLICIES)  # the registry's names
 # The values of the parser settings (flags, SPARK_* variables, recipes): the registry's names, plus
@@ -56,6 +57,15 @@ class ServeConfig:
     # cached this long; pinned pages never exceed this share of the KV cache.
     prefix_pin_ttl_s: float = 300.0
     prefix_pin_share: float = 0.5
+    # Speculative decoding: "ngram" drafts by prompt lookup (a decode verifies up to spec_tokens drafted
+    # tokens in one forward); None: off. Greedy output and a seed's samples are unchanged by it.
+    speculative: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.in_(SPECULATIVE_METHODS)))
+    spec_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))  # drafted tokens per step at most
+    spec_ngram: int = attrs.field(default=4, validator=attrs.validators.ge(1))  # longest suffix looked up
+    # Off while more sequences than this decode: the step is then compute-bound, and the drafts' extra
+    # positions cost about what they give.
+    spec_max_batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     page_size: int = 16
     kv_cache_bytes: int | None = None  # KV cache budget; from free memory by default
     max_model_len: int | None = None  # context length; the model's by default
@@ -108,6 +118,13 @@ class ServeConfig:
         import torch
 
         return torch.cuda.is_available()
+
+    def spec_config(self) -> SpecConfig | None:
+        """How requests speculate (``spark.core.speculation``); None when they do not."""
+        if self.speculative is None:
+            return None
+        return SpecConfig(method=self.speculative, num_tokens=self.spec_tokens, ngram_max=self.spec_ngram,
+                          max_batch=self.spec_max_batch)
 
     def resolved_cpu_threads(self) -> int:
         """``cpu_threads``, or to start with (``cpu_threads`` None: the engine then follows the idle cores,

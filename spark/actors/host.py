@@ -56,7 +56,7 @@ def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], flo
 
         grammars = XGrammars(engine.tokenizer, engine.vocab_size)
     return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
-                faults=Faults.parse(config.faults), grammars=grammars)
+                faults=Faults.parse(config.faults), grammars=grammars, speculation=config.spec_config())
 
 
 # -- the core's side ------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class CoreLoop:
                 if isinstance(message, Admit):
                     r = message.request
                     self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited, pins=r.pins,
-                                     grammar=r.grammar)
+                                     grammar=r.grammar, speculate=r.speculative)
                 elif isinstance(message, Unpin):
                     self.core.unpin(message.key)
                 else:
@@ -330,6 +330,12 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
     metrics.prefix_hit_tokens.inc(core.prefix_hit_tokens)
     metrics.prefix_evictions.inc(core.prefix_evictions)
     metrics.prefix_pinned_pages.set(core.prefix_pinned_pages)
+    if core.speculation:
+        drafted, accepted, steps, emitted = core.speculation
+        metrics.spec_drafted_tokens.inc(drafted)
+        metrics.spec_accepted_tokens.inc(accepted)
+        metrics.spec_steps.inc(steps)
+        metrics.spec_emitted_tokens.inc(emitted)
     now = trio.current_time()
     for seconds in core.queue_times:
         metrics.queue_time.observe(seconds)

@@ -41,6 +41,7 @@ class GenerateRequest:
     skip_special_tokens: bool = True
     pins: tuple[PrefixPin, ...] = ()  # prefixes to keep cached after it ends (a stored Response, cache_control)
     grammar: GrammarSpec | None = None  # what the output must follow (a JSON schema, a forced tool call)
+    speculative: bool = True  # False: never speculates, whatever the server's ``speculative`` says
 
 
 @attrs.frozen

@@ -239,7 +239,8 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
             requests.append(GenerateRequest(
                 request_id=f"{request_id}-{p * n + i}", prompt_ids=tuple(prompt),
                 params=attrs.evolve(capped, seed=seed), stop=stop, api_key=api_key,
-                skip_special_tokens=req.skip_special_tokens is not False, grammar=grammar))
+                skip_special_tokens=req.skip_special_tokens is not False, grammar=grammar,
+                speculative=req.speculative is not False))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage)
 

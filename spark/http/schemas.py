@@ -106,6 +106,7 @@ class SamplingFields:
     user: str | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    speculative: bool | None = None  # Spark's own: false opts the request out of speculative decoding
 
 
 @attrs.frozen(kw_only=True)

@@ -38,6 +38,16 @@ class Scheduler:
 
 
 @attrs.frozen
+class Speculative:
+    """Speculative decoding (``spark.core.speculation``); a field left out keeps the server's."""
+
+    method: Literal["ngram", "none"] = "ngram"  # ngram: drafts by prompt lookup; none: off
+    tokens: int | None = None  # drafted tokens per step at most
+    ngram: int | None = None  # the longest n-gram of the context's end looked up
+    max_batch: int | None = None  # off while more sequences than this decode
+
+
+@attrs.frozen
 class Parsers:
     tool_call: str | None = None  # one of spark.serve_config.TOOL_CALL_PARSER_CHOICES (checked on loading)
     reasoning: str | None = None  # one of spark.serve_config.REASONING_PARSER_CHOICES (checked on loading)
@@ -97,6 +107,7 @@ class Recipe:
     scheduler: Scheduler = Scheduler()
     parsers: Parsers = Parsers()
     sampling: Sampling = Sampling()
+    speculative: Speculative | None = None  # None: the server's (off by default)
     lifecycle: Literal["draft", "testing", "works", "production"] = "testing"
     tier: Literal["light", "medium", "heavy"] = "medium"
     upstream: Upstream | None = None

@@ -45,6 +45,11 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
     }
     if sched.prefix_caching is not None:
         changes["prefix_caching"] = sched.prefix_caching
+    spec = recipe.speculative
+    if spec is not None:
+        changes["speculative"] = None if spec.method == "none" else spec.method
+        changes |= {name: value for name, value in (("spec_tokens", spec.tokens), ("spec_ngram", spec.ngram),
+                                                    ("spec_max_batch", spec.max_batch)) if value is not None}
     if parsers.tool_call is not None:
         changes["tool_call_parser"] = parsers.tool_call
     if parsers.reasoning is not None:
