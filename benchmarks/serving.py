@@ -24,6 +24,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import pathlib
 import queue as queue_module
 import random
 import signal
@@ -157,6 +158,13 @@ def spread_load(url: str, prompts: list[list[int]], clients: int, new: int, proc
         "ttft": [t for p in parts for t in p["ttft"]], "gaps": [t for p in parts for t in p["gaps"]],
         "errors": [e for p in parts for e in p["errors"]], "cpu_s": sum(p["cpu_s"] for p in parts),
     }
+
+
+def triton_kernels() -> set[str]:
+    """The kernels in Triton's on-disk cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``): one
+    ``<name>.json`` per compiled specialization, in a directory named by its hash."""
+    root = pathlib.Path(os.environ.get("TRITON_CACHE_DIR") or pathlib.Path.home() / ".triton" / "cache")
+    return {f"{p.parent.name}/{p.name}" for p in root.glob("*/*.json") if not p.name.startswith("__grp__")}
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -309,6 +317,8 @@ def main() -> int:
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--load-procs", type=int, default=8, help="load-generator processes the clients are spread over")
     ap.add_argument("--out", default="serving.json")
+    ap.add_argument("--cold", action="store_true",
+                    help="label the row a first run on a fresh machine (nothing compiled or cached yet)")
     ap.add_argument("--settle", type=float, default=180.0,
                     help="seconds to wait at most for the background CUDA-graph capture before timing")
     args = ap.parse_args()
@@ -320,17 +330,28 @@ def main() -> int:
     cmd = [sys.executable, "-m", "spark.cli", "serve", "--model", args.model, "--port", str(args.port),
            "--max-batch-size", str(args.clients), "--max-model-len", str(args.prompt + args.new + 16),
            "--max-prefill-tokens", str(args.max_prefill_tokens), "--scheduler", args.scheduler]
+    kernels_before = triton_kernels()
+    started = time.time()
     server = subprocess.Popen(cmd, env=env)
     try:
         wait_healthy(url, server)
+        startup_s = round(time.time() - started, 1)
+        kernels_ready = triton_kernels()
         warm = wait_for_graphs(url, args.settle)
         spread_load(url, prompts[: args.clients], args.clients, 8, args.load_procs)  # warm-up
+        kernels_timed = triton_kernels()
         before, cpu_before, series = step_totals(url), cpu_seconds(server.pid), []
         with rows_each_second(url, series):
             result = spread_load(url, prompts, args.clients, args.new, args.load_procs)
         steps, cpu_after = step_shape(before, step_totals(url)), cpu_seconds(server.pid)
         steps["decode_rows_each_second"] = series
         steps.update(warm)
+        # Kernels Triton compiled before the server said ready, and after (shapes its warm-up missed:
+        # those compiles land in the first requests' time).
+        kernels_end = triton_kernels()
+        compiled = {"startup_s": startup_s, "triton_compiled_before_ready": len(kernels_ready - kernels_before),
+                    "triton_compiled_after_ready": sorted(k.split("/")[1] for k in kernels_end - kernels_ready),
+                    "triton_compiled_in_timed_run": sorted(k.split("/")[1] for k in kernels_end - kernels_timed)}
         # Cores busy during the load: the HTTP server's event loop (scheduler included), the engine process.
         steps["server_cpu_cores"] = round((cpu_after[0] - cpu_before[0]) / result["wall_s"], 2)
         steps["engine_cpu_cores"] = round((cpu_after[1] - cpu_before[1]) / result["wall_s"], 2)
@@ -343,8 +364,8 @@ def main() -> int:
         "bench": "serving", "model": args.model.removeprefix("dummy:"), "clients": args.clients,
         "requests": args.requests, "prompt_tokens": args.prompt, "new_tokens": args.new,
         "output_tok_s": round(serving_tok_s, 1), "offline_tok_s": round(offline_tok_s, 1),
-        "ratio_to_offline": round(serving_tok_s / offline_tok_s, 3),
-        **latency_summary(result),
+        "ratio_to_offline": round(serving_tok_s / offline_tok_s, 3), "cold": args.cold,
+        **latency_summary(result), **compiled,
         "load_procs": args.load_procs,
         "server_steps": steps,
     }
@@ -353,7 +374,10 @@ def main() -> int:
             f"ITL p50/p99 {entry['itl_p50_ms']}/{entry['itl_p99_ms']} ms; {entry['tokens_per_chunk']} tokens per chunk; "
             f"{steps['steps']} steps of {steps['step_ms_mean']} ms, {steps['decode_rows_mean']} decode rows and "
             f"{steps['prefill_tokens_mean']} prefill tokens on average; engine busy {steps['engine_busy_frac']}; "
-            f"CPU cores: server {steps['server_cpu_cores']}, engine {steps['engine_cpu_cores']}")
+            f"CPU cores: server {steps['server_cpu_cores']}, engine {steps['engine_cpu_cores']}; "
+            f"ready in {startup_s}s with {compiled['triton_compiled_before_ready']} Triton compiles, "
+            f"{len(compiled['triton_compiled_after_ready'])} after, {len(compiled['triton_compiled_in_timed_run'])} "
+            f"in the timed run")
     write_report(entry, result, line, args.out)
     return 0
 

@@ -47,11 +47,12 @@ class EngineProcess:
 
     @classmethod
     def start(cls, model: str | None, *, graphs_max_batch: int = 0, cpu_threads: int | None = None,
-              **load_kwargs) -> "EngineProcess":
+              warm=None, **load_kwargs) -> "EngineProcess":
         """Spawn the process, load ``model`` there (``Engine.load`` kwargs) and wait until it is ready.
 
         Args:
           cpu_threads: torch's intra-op threads there, when it runs on the CPU; None: torch's default.
+          warm: the ``warmup.WarmupShape`` to warm the engine for before it reports ready (None: not warmed).
 
         Raises:
             ModelLoadError: the model cannot be read (as ``Engine.load`` would raise).
@@ -63,7 +64,7 @@ class EngineProcess:
         source = resolve_model(model, dummy_config=load_kwargs.get("dummy_config"))  # fails fast, here
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch, cpu_threads),
+        process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch, cpu_threads, warm),
                               daemon=True)
         process.start()
         child.close()
@@ -143,16 +144,16 @@ def send_loop(conn, sends: queue.SimpleQueue) -> None:
 # -- the child --------------------------------------------------------------------------------------
 
 
-def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None) -> None:
+def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=None) -> None:
     """The engine process: load, report, then serve sessions until told to stop."""
     from spark.engine.device import use_cpu_threads
-    from spark.engine.engine import Engine
     from spark.engine.errors import ModelLoadError
+    from spark.engine.warmup import load_warm
 
     if cpu_threads is not None:
         use_cpu_threads(load_kwargs.get("device"), cpu_threads)
     try:
-        engine = Engine.load(model, **load_kwargs)
+        engine = load_warm(model, warm, **load_kwargs)
     except ModelLoadError as exc:
         conn.send(LoadFailure(exc.problem, load_error=True))
         return

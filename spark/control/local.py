@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 import trio
@@ -38,7 +39,7 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
         ModelLoadError: the model cannot be read.
     """
     from spark.engine.device import checked_device, use_cpu_threads
-    from spark.engine.engine import Engine
+    from spark.engine.warmup import WarmupShape, load_warm
 
     if config.device is not None:
         checked_device(config.device)  # here, not in an engine process that would only say it failed
@@ -49,14 +50,16 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
                                      ("weight_format", config.weight_format)) if v is not None})
     threads = config.resolved_cpu_threads()
     kwargs["adapt_cpu_threads"] = config.cpu_threads is None  # a count the user gave stays
+    # Ready means warm: every step shape this server will plan runs once before it answers (GPU).
+    warm = WarmupShape(config.max_batch_size, config.max_prefill_tokens) if os.environ.get("SPARK_WARM_UP") != "0" else None
     if config.uses_engine_process():
         from spark.actors.engine_process import EngineProcess
 
         load = functools.partial(EngineProcess.start, model, graphs_max_batch=config.max_batch_size,
-                                 cpu_threads=threads, **kwargs)
+                                 cpu_threads=threads, warm=warm, **kwargs)
     else:
         use_cpu_threads(config.device, threads)
-        load = functools.partial(Engine.load, model, **kwargs)
+        load = functools.partial(load_warm, model, warm, **kwargs)
     return await trio.to_thread.run_sync(load, abandon_on_cancel=True)  # Ctrl-C need not wait for it
 
 

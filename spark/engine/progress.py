@@ -22,13 +22,10 @@ def _human(n_bytes: float) -> str:
 _active: list["LoadProgress"] = []  # the loads under way in this process, the latest last
 
 
-def current() -> tuple[int, int, str] | None:
-    """``(done, total, desc)`` of the latest load under way in this process, or None (a server's
-    ``/health`` says it while the model loads)."""
-    if not _active:
-        return None
-    p = _active[-1]
-    return p.done, p.total, p.desc
+def current() -> "LoadProgress | None":
+    """The latest load under way in this process, or None (a server's ``/health`` says it while the
+    model loads)."""
+    return _active[-1] if _active else None
 
 
 @attrs.define(eq=False)
@@ -42,11 +39,13 @@ class LoadProgress:
     Args:
       total: bytes expected in all.
       desc: what is loading, e.g. the file name.
+      unit: what ``total`` counts: "B" (bytes) or another unit (e.g. "steps"), reported as is.
       enabled: False reports nothing.
     """
 
     total: int
     desc: str = "weights"
+    unit: str = "B"
     enabled: bool = True
     done: int = attrs.field(default=0, init=False)
     _bar: object = attrs.field(default=None, init=False)
@@ -60,7 +59,7 @@ class LoadProgress:
             import tqdm
 
             self._bar = tqdm.tqdm(
-                total=self.total, desc=self.desc, unit="B", unit_scale=True, file=sys.stderr, leave=False
+                total=self.total, desc=self.desc, unit=self.unit, unit_scale=self.unit == "B", file=sys.stderr, leave=False
             )
         return self
 
@@ -77,9 +76,12 @@ class LoadProgress:
             self._next_log = tenths + 1
             log.info(
                 "loading %s: %s / %s (%d%%) in %.1fs",
-                self.desc, _human(self.done), _human(self.total),
+                self.desc, self._amount(self.done), self._amount(self.total),
                 100 * self.done // max(self.total, 1), time.perf_counter() - self._start,
             )
+
+    def _amount(self, n: int) -> str:
+        return _human(n) if self.unit == "B" else f"{n} {self.unit}"
 
     def __exit__(self, *exc_info) -> None:
         if self in _active:

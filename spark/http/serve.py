@@ -111,9 +111,10 @@ def _loading_status(config: ServeConfig) -> dict:
     """``/health`` while the model loads: what loads, and how far it got when that is known here."""
     status = {"status": "loading", "model": config.resolved_served_name()}
     load = progress.current()
-    if load is not None:
-        done, total, desc = load
-        status["progress"] = {"loaded_bytes": done, "total_bytes": total, "what": desc}
+    if load is not None and load.unit == "B":
+        status["progress"] = {"loaded_bytes": load.done, "total_bytes": load.total, "what": load.desc}
+    elif load is not None:  # the warm-up, in steps
+        status["progress"] = {"done": load.done, "total": load.total, "unit": load.unit, "what": load.desc}
     return status
 
 
