@@ -50,6 +50,18 @@ def replay(prompt: list[int], answer: list[int], *, k: int, n_max: int, n_min: i
             "tokens_per_step": round(len(answer) / steps, 3), "steps_with_draft": round(with_draft / steps, 3)}
 
 
+RENAMED = "allocate"  # the change the code-edit request asks: this method renamed
+
+
+def code_edit_request(file: str, lines: int) -> tuple[str, str]:
+    """(the file's first ``lines`` lines, the user message asking them back with one change)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    source = "\n".join((root / file).read_text().splitlines()[:lines])
+    request = (f"Here is a Python file:\n\n```python\n{source}\n```\n\nRename the method `{RENAMED}` to "
+               f"`{RENAMED}_pages` everywhere and give back the whole file, changed, in one code block.")
+    return source, request
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--file", default="spark/core/page_allocator.py")
@@ -66,10 +78,8 @@ def main() -> int:
     from spark.engine.sampling import SamplingParams
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    source = "\n".join((root / args.file).read_text().splitlines()[: args.lines])
-    name = "allocate"  # the change: a function renamed
-    request = (f"Here is a Python file:\n\n```python\n{source}\n```\n\nRename the method `{name}` to "
-               f"`{name}_pages` everywhere and give back the whole file, changed, in one code block.")
+    source, request = code_edit_request(args.file, args.lines)
+    name = RENAMED
     engine = Engine.load("default", max_model_len=8192)
     tokenizer = engine.tokenizer
     prompt = tokenizer.encode_chat([{"role": "user", "content": request}])
