@@ -1,8 +1,9 @@
 """One config type for every Llama-family model Spark runs.
 
 Llama 2/3.x, SmolLM2 and Mistral share one block; Qwen2/2.5 add a bias to the
-q/k/v projections; Qwen3 adds a per-head RMSNorm on q and k. The differences
-are flags here, so the model code stays one file.
+q/k/v projections; Qwen3 adds a per-head RMSNorm on q and k; Qwen3-MoE and Mixtral
+replace the MLP by routed experts (``num_experts > 0``). The differences are
+flags and sizes here, so the model code stays two files (``llama.py``, ``moe.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral); 0 experts: a dense model.
+    num_experts: int = 0  # routed experts per sparse layer
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's SwiGLU width (``intermediate_size`` stays the dense layers')
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense (Qwen3-MoE's mlp_only_layers)
 
     @property
     def q_size(self) -> int:
@@ -53,6 +60,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward is the routed experts rather than a dense MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes one token occupies in the KV cache over all layers (K and V)."""

@@ -9,23 +9,27 @@ import torch
 from spark.engine import models
 from spark.engine.models import ARCHITECTURES, GGUF_ARCHS, HF_MODEL_TYPES, SUPPORTED_ARCHS, model_class
 from spark.engine.models.llama import LlamaModel
+from spark.engine.models.moe import MoeModel
 from spark.engine.models.ops import CpuOps, TorchOps, TritonOps
 from spark.engine.models.runtime import Runtime
 from spark.engine.weights.dummy import PRESETS
 
 
 def test_one_table_names_every_architecture():
-    assert SUPPORTED_ARCHS == ("llama", "mistral", "qwen2", "qwen3")
+    assert SUPPORTED_ARCHS == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
     assert all(name == a.name for name, a in ARCHITECTURES.items())
     assert {a.name for a in HF_MODEL_TYPES.values()} == set(SUPPORTED_ARCHS)
-    assert {g: a.name for g, a in GGUF_ARCHS.items()} == {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+    assert {g: a.name for g, a in GGUF_ARCHS.items()} == {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                                                          "qwen3moe": "qwen3_moe"}
     assert {p.arch for p in PRESETS.values()} <= set(SUPPORTED_ARCHS)
 
 
 def test_model_class_of_each_architecture():
-    for arch in SUPPORTED_ARCHS:
+    for arch in ("llama", "mistral", "qwen2", "qwen3"):
         assert model_class(arch) is LlamaModel
-    with pytest.raises(KeyError, match=r"unsupported architecture 'gpt2' \(supported: llama, mistral, qwen2, qwen3\)"):
+    for arch in ("qwen3_moe", "mixtral"):
+        assert model_class(arch) is MoeModel
+    with pytest.raises(KeyError, match=r"unsupported architecture 'gpt2' \(supported: llama, mistral, qwen2, qwen3, "):
         model_class("gpt2")
 
 

@@ -401,6 +401,8 @@ def test_dummy_presets_have_real_sizes():
     assert params["qwen2.5-0.5b"] == 494_032_768
     assert params["smollm2-135m"] == 134_515_008
     assert 590e6 < params["qwen3-0.6b"] < 600e6
+    assert params["qwen3-30b-a3b"] == 30_532_122_624
+    assert params["mixtral-8x7b"] == 46_702_792_704
     d = resolve_model("dummy", dummy_config=attrs.asdict(PRESETS["tiny-llama"], recurse=True))
     assert d.config == PRESETS["tiny-llama"] and d.kind == "dummy" and d.path is None
 

@@ -25,6 +25,10 @@ class Architecture:
       gguf_archs: GGUF ``general.architecture`` values read as this family.
       attention_bias: q/k/v always carry a bias (HF configs may also say so per model).
       qk_norm: a per-head RMSNorm on q and k.
+      norm_topk_prob: the router renormalises its top-k weights whatever the config says (Mixtral).
+      moe_names: in an MoE family's checkpoints, (the feed-forward module, an expert's gate, up and
+        down projections): ``model.layers.{i}.{module}.gate.weight`` is the router,
+        ``model.layers.{i}.{module}.experts.{e}.{gate}.weight`` expert ``e``'s gate; () for a dense family.
     """
 
     name: str
@@ -33,6 +37,8 @@ class Architecture:
     gguf_archs: tuple[str, ...] = ()
     attention_bias: bool = False
     qk_norm: bool = False
+    norm_topk_prob: bool = False
+    moe_names: tuple[str, ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -40,6 +46,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("mistral", "llama:LlamaModel", ("mistral",)),
     Architecture("qwen2", "llama:LlamaModel", ("qwen2",), ("qwen2",), attention_bias=True),
     Architecture("qwen3", "llama:LlamaModel", ("qwen3",), ("qwen3",), qk_norm=True),
+    Architecture("qwen3_moe", "moe:MoeModel", ("qwen3_moe",), ("qwen3moe",), qk_norm=True,
+                 moe_names=("mlp", "gate_proj", "up_proj", "down_proj")),
+    # Mixtral GGUFs say "llama" with an expert count (gguf.config_from_gguf tells them apart).
+    Architecture("mixtral", "moe:MoeModel", ("mixtral",), norm_topk_prob=True,
+                 moe_names=("block_sparse_moe", "w1", "w3", "w2")),
 )}
 
 SUPPORTED_ARCHS = tuple(ARCHITECTURES)

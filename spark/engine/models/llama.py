@@ -138,7 +138,7 @@ class LlamaModel(nn.Module):
         # _weight: no random init, whose meta-device kernel would import torch._dynamo (130 MB resident).
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
                                            _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(Block(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_block(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -146,10 +146,18 @@ class LlamaModel(nn.Module):
         # kernels have it (its prologue-fused projections take no bias).
         self.one_row = ops.fuses_one_row and not config.attention_bias
 
+    def make_block(self, config: ModelConfig, ops: Ops, layer: int) -> nn.Module:
+        """Layer ``layer``'s block (a family with other blocks overrides this)."""
+        return Block(config, ops)
+
     @staticmethod
     def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """The checkpoint this model loads, which ``weights.iter_weights`` validates a source against."""
         return hf_weight_shapes(config)
+
+    def weight_target(self, name: str) -> tuple[str, int | tuple[int, int] | None]:
+        """Where the HF tensor ``name`` goes: (parameter, None | row offset | (expert, row offset))."""
+        return _hf_to_spark(name, self.config)
 
     def init_buffers(self) -> None:
         """Recompute the non-persistent buffers, which ``to_empty()`` left uninitialised."""
@@ -183,16 +191,17 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors into the fused parameters; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
-        c = self.config
         for name, tensor in weights:
-            target, offset = _hf_to_spark(name, c)
+            target, offset = self.weight_target(name)
             param = params[target]
+            if isinstance(offset, tuple):  # (expert, rows) of a stacked expert weight
+                param = param[offset[0]]
             if offset is None:
                 param.copy_(tensor)
             else:
-                param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+                param.narrow(0, offset[1] if isinstance(offset, tuple) else offset, tensor.shape[0]).copy_(tensor)
             filled.add(f"{target}@{offset}")
-        expected = {f"{t}@{o}" for t, o in (_hf_to_spark(n, c) for n in hf_weight_shapes(c))}
+        expected = {f"{t}@{o}" for t, o in map(self.weight_target, self.weight_shapes(self.config))}
         missing = expected - filled
         if missing:
             raise ValueError(f"weights missing for {len(missing)} tensors, e.g. {sorted(missing)[0]}")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
-from spark.engine.kernels import activation, norm, small_linear
+from spark.engine.kernels import activation, fused_moe, norm, small_linear
 
 if TYPE_CHECKING:
     from spark.engine.attention import AttentionMetadata
@@ -52,6 +52,11 @@ class Ops(Protocol):
     def swiglu(self, x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.Tensor:
         """``w2(silu(gate) * up)`` with ``gate, up = w13(x)`` (w13's rows: gate, then up); may be partials."""
 
+    def moe(self, x: torch.Tensor, router: nn.Linear, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+            renormalize: bool) -> torch.Tensor:
+        """Routed experts: each token's top-k of ``softmax(router(x))`` (renormalised if asked), the weighted
+        sum of their SwiGLU MLPs (w13 [E, 2I, D], w2 [E, D, I]). Returns [T, D]."""
+
 
 def _rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh // 2]
@@ -67,6 +72,16 @@ def _swiglu_reference(x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.T
     return w2(nn.functional.silu(gate) * up)
 
 
+def _moe_reference(x, router: nn.Linear, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
+    weights, ids = fused_moe.route(router(x), top_k, renormalize)
+    return fused_moe.fused_moe_reference(x, w13, w2, weights, ids)
+
+
+def _moe_triton(x, router: nn.Linear, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
+    weights, ids = fused_moe.route(router(x), top_k, renormalize)
+    return fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
+
+
 class TorchOps:
     """The torch references: the CPU's path, and the ground truth of every kernel."""
 
@@ -77,6 +92,7 @@ class TorchOps:
     project = staticmethod(_linear)
     attend = staticmethod(attention.rope_attend_reference)
     swiglu = staticmethod(_swiglu_reference)
+    moe = staticmethod(_moe_reference)
 
 
 def _rope_positions(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
@@ -133,6 +149,7 @@ class TritonOps:
     project = staticmethod(_project_triton)
     attend = staticmethod(attention.rope_attend_triton)
     swiglu = staticmethod(_swiglu_triton)
+    moe = staticmethod(_moe_triton)
     block_one_row = staticmethod(_block_one_row)
 
 

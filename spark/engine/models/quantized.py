@@ -144,7 +144,9 @@ def pack_model(net: nn.Module, fmt: str, dtype: torch.dtype) -> nn.Module:
         for owner, name in ((block.attention, "wqkv"), (block.attention, "wo"),
                             (block.feed_forward, "w13"), (block.feed_forward, "w2")):
             linear = getattr(owner, name)
-            if linear.bias is not None:  # (Qwen2's q/k/v bias) kept dense: the kernels take none
+            # Kept dense: Qwen2's q/k/v with a bias (the kernels take none), and the stacked experts
+            # of an MoE layer (a Parameter [E, N, K], not a Linear), in the runtime's dtype.
+            if not isinstance(linear, nn.Linear) or linear.bias is not None:
                 continue
             setattr(owner, name, _linear(linear.weight, fmt, dtype))
             del linear

@@ -44,6 +44,18 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
     ),
+    "qwen3-30b-a3b": ModelConfig(  # 128 experts of 768, 8 a token: 30.5B parameters, 3.3B active
+        arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645, 151643),
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
+    "mixtral-8x7b": ModelConfig(  # v0.1: 46.7B parameters, 12.9B active
+        arch="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+    ),
     # Tiny configs, one per family, each exercising that family's flags. tiny-llama carries
     # Llama-3 scaling whose thresholds put its 8 frequencies in all three bands (3 kept, 2 smoothed, 3 slowed).
     "tiny-llama": ModelConfig(
@@ -54,6 +66,12 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen2": ModelConfig(arch="qwen2", **_TINY, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True),
     # head_dim 32 != hidden / heads, as in real Qwen3 models.
     "tiny-qwen3": ModelConfig(arch="qwen3", **{**_TINY, "head_dim": 32}, rms_norm_eps=1e-6, qk_norm=True),
+    # Qwen3-MoE with its second layer dense (mlp_only_layers), top-4 of 8 renormalised.
+    "tiny-qwen3-moe": ModelConfig(arch="qwen3_moe", **{**_TINY, "head_dim": 32}, rms_norm_eps=1e-6, qk_norm=True,
+                                  num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                                  norm_topk_prob=True, dense_layers=(1,)),
+    "tiny-mixtral": ModelConfig(arch="mixtral", **_TINY, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, norm_topk_prob=True),
 }
 
 

@@ -104,9 +104,33 @@ def config_from_hf(directory: str | os.PathLike) -> ModelConfig:
             qk_norm=arch.qk_norm,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(eos),
+            **_moe_fields(path, arch, cfg),
         )
     except KeyError as e:
         raise ModelLoadError(path, f"config lacks {e.args[0]}") from e
+
+
+def _moe_fields(path: pathlib.Path, arch, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a mixture of experts (none for a dense family)."""
+    if not arch.moe_names:
+        return {}
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ModelLoadError(path, "shared experts are not supported")
+    layers = int(cfg["num_hidden_layers"])
+    # Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    # transformers 5 writes num_local_experts for Qwen3-MoE too; the published configs say num_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise ModelLoadError(path, "config lacks num_experts")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=arch.norm_topk_prob or bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
+    )
 
 
 def shard_files(directory: str | os.PathLike) -> list[pathlib.Path]:
