@@ -55,12 +55,13 @@ STEPS = [([(0, 0, 6), (1, 0, 3)], False), ([(0, 6, 1), (1, 3, 4)], False),
          ([(0, 7, 1), (1, 7, 1), (2, 0, 1)], True), ([(1, 8, 1)], True)]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_triton_ops_match_torch_ops_step_by_step(preset):
     source = resolve_model(f"dummy:{preset}")
     ref, ref_cache = _model(source, TorchOps(), torch.float32)
     fused, fused_cache = _model(source, TritonOps(), torch.float32)
-    assert fused.one_row is not source.config.attention_bias  # qwen2's biases keep the unfused block
+    # Qwen2's biases keep the unfused block; an MoE block has no one-row form (the fused MoE runs).
+    assert fused.one_row is not (source.config.attention_bias or source.config.num_experts > 0)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for chunks, decode_only in STEPS:
@@ -71,7 +72,7 @@ def test_triton_ops_match_torch_ops_step_by_step(preset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_cpu_ops_match_torch_ops_step_by_step(preset, dtype):
     """The CPU's ops (one-call norm, five-op rotation, the batched decode attention with its
     padding mask) against the references, through prefill, mixed, decode and one-row steps."""
