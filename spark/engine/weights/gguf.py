@@ -19,7 +19,7 @@ import torch
 
 from spark.engine.config import ModelConfig, RopeScaling
 from spark.engine.errors import ModelLoadError
-from spark.engine.models import GGUF_ARCHS
+from spark.engine.models import ARCHITECTURES, GGUF_ARCHS
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,18 +43,38 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# An MoE layer's experts, each stacked into one [E, rows, cols] tensor; yielded one expert at a time
+# under the HF names of its family (``Architecture.moe_names``: module, gate, up, down).
+_EXPERT_NAMES = {"ffn_gate_exps.weight": 1, "ffn_up_exps.weight": 2, "ffn_down_exps.weight": 3}
+_ROUTER = "ffn_gate_inp.weight"
 # Llama-3 frequency scaling, which llama.cpp stores as a tensor rather than as metadata.
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF name of a GGUF tensor; unknown names come back unchanged (and fail validation)."""
+def hf_name(gguf_name: str, moe_names: tuple[str, ...] = ()) -> str:
+    """The HF name of a GGUF tensor; unknown names come back unchanged (and fail validation).
+
+    A stacked expert tensor's name comes back with ``{e}`` where the expert's index goes."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m and m[2] in _BLOCK_NAMES:
         return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}"
+    if m and moe_names and m[2] == _ROUTER:
+        return f"model.layers.{m[1]}.{moe_names[0]}.gate.weight"
+    if m and moe_names and m[2] in _EXPERT_NAMES:
+        return f"model.layers.{m[1]}.{moe_names[0]}.experts.{{e}}.{moe_names[_EXPERT_NAMES[m[2]]]}.weight"
     return gguf_name
+
+
+def _arch_of(path, reader: gguf.GGUFReader):
+    """The ``Architecture`` of a file: its ``general.architecture``, or Mixtral for a "llama" with experts."""
+    gguf_arch = _meta(reader, path, "general.architecture")
+    if gguf_arch not in GGUF_ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {gguf_arch!r} (supported GGUF archs: {', '.join(GGUF_ARCHS)})")
+    if gguf_arch == "llama" and int(_meta(reader, path, "llama.expert_count", 0)) > 0:
+        return ARCHITECTURES["mixtral"]
+    return GGUF_ARCHS[gguf_arch]
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
@@ -119,10 +139,8 @@ def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
       ModelLoadError: unreadable file, unsupported architecture or rope scaling, missing metadata.
     """
     reader = open_gguf(path)
+    arch = _arch_of(path, reader)
     gguf_arch = _meta(reader, path, "general.architecture")
-    if gguf_arch not in GGUF_ARCHS:
-        raise ModelLoadError(path, f"unsupported architecture {gguf_arch!r} (supported GGUF archs: {', '.join(GGUF_ARCHS)})")
-    arch = GGUF_ARCHS[gguf_arch]
 
     def meta(key: str, default: Any = ...) -> Any:
         return _meta(reader, path, f"{gguf_arch}.{key}", default)
@@ -175,6 +193,23 @@ def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
         qk_norm=arch.qk_norm,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
+        **_moe_fields(meta, arch, tensors),
+    )
+
+
+def _moe_fields(meta, arch, tensors) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a mixture of experts (none for a dense family). llama.cpp
+    renormalises Qwen3-MoE's top-k weights unless the file says otherwise; a layer with no router is dense."""
+    experts = int(meta("expert_count", 0))
+    if not arch.moe_names or not experts:
+        return {}
+    layers = int(meta("block_count"))
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(meta("expert_used_count")),
+        moe_intermediate_size=int(meta("expert_feed_forward_length", meta("feed_forward_length"))),
+        norm_topk_prob=arch.norm_topk_prob or bool(meta("expert_weights_norm", True)),
+        dense_layers=tuple(i for i in range(layers) if f"blk.{i}.{_ROUTER}" not in tensors),
     )
 
 
@@ -238,7 +273,17 @@ def gguf_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """HF name -> HF shape of every weight in the file (the rope factors tensor excluded)."""
     reader = open_gguf(path)
     check_types(path, reader)
-    return {hf_name(t.name): tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors if t.name != ROPE_FREQS}
+    moe_names = _arch_of(path, reader).moe_names
+    shapes = {}
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue
+        name, shape = hf_name(t.name, moe_names), tuple(int(d) for d in reversed(t.shape.tolist()))
+        if "{e}" in name:  # [E, rows, cols]: one [rows, cols] tensor per expert
+            shapes.update((name.format(e=e), shape[1:]) for e in range(shape[0]))
+        else:
+            shapes[name] = shape
+    return shapes
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -256,10 +301,11 @@ def iter_gguf_tensors(path: str | os.PathLike, config: ModelConfig) -> Iterator[
     """Yield (HF name, float32 CPU tensor in HF layout), one tensor at a time, in file order."""
     reader = open_gguf(path)
     permuted = reader.get_field("general.architecture").contents() == "llama"
+    moe_names = _arch_of(path, reader).moe_names
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, moe_names)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:
             # A plain-ndarray view of the map: numpy's memmap subclass costs ~1 s per 100M params in slicing.
@@ -270,6 +316,10 @@ def iter_gguf_tensors(path: str | os.PathLike, config: ModelConfig) -> Iterator[
             w = _unpermute(w, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, config.num_kv_heads)
+        if "{e}" in name:  # stacked experts, one at a time
+            for e in range(w.shape[0]):
+                yield name.format(e=e), torch.from_numpy(np.array(w[e], dtype=np.float32))
+            continue
         if not w.flags.writeable:  # F32 dequantizes to a view of the read-only map
             w = w.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
