@@ -1,0 +1,340 @@
+"""MoE decode speed against the roofline of the bytes a step actually reads, beside HF transformers.
+
+    python benchmarks/moe_decode.py                      # the H200 run: dummy qwen3-30b-a3b, bf16, batch 1 and 64
+    python benchmarks/moe_decode.py --device cpu --preset tiny-qwen3-moe --quick   # a check of the script
+
+Dummy (random, never zero) weights of the real shapes; 128-token random prompts, 128 new
+tokens, greedy, no EOS stop. Spark's decode is timed over the decode steps only (CUDA
+events around them; prefill excluded), CUDA graphs on, after a warm-up, median of 3 runs.
+
+The roofline counts the bytes a decode step must read (../shared/PERF.md's method): every
+weight outside the experts once (attention, norms, routers, dense MLP layers, the head; one
+embedding row per sequence), the experts the step's tokens are routed to (each once, however
+many of the batch's tokens share it), the KV cache read and written; over 4.25 TB/s, or the
+step's FLOPs over 783 TFLOP/s if larger. Batch 1 touches top-k experts a layer; how many a
+batch of 64 touches is counted from the router during an eager run of the same decode (the
+warm-up), layer by layer and step by step.
+
+transformers' ``generate`` of the same config with random bf16 weights runs in the same
+process afterwards (its dynamic cache; fewer new tokens at batch 1, where it is slow). Prints
+progress and a table; writes JSON under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md)
+MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
+
+
+def log(msg: str) -> None:
+    print(f"[moe_decode {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ExpertCounter:
+    """Forward pre-hooks on every sparse layer that count the distinct experts of each decode step
+    of ``batch`` rows (eager steps only: a replayed graph runs no hook)."""
+
+    def __init__(self, model, batch: int):
+        from spark.engine.kernels.fused_moe import route
+        from spark.engine.models.moe import SparseMoe
+
+        self.batch, self.counts = batch, []  # counts: distinct experts of one layer in one step
+        self.handles = []
+        for layer in model.layers:
+            ffn = layer.feed_forward
+            if isinstance(ffn, SparseMoe):
+                def hook(module, args, route=route):
+                    x = args[0]
+                    if x.shape[0] == self.batch:
+                        _, ids = route(module.gate(x), module.top_k, module.renormalize)
+                        self.counts.append(ids.unique())
+                self.handles.append(ffn.register_forward_pre_hook(hook))
+
+    def mean(self) -> float:
+        return sum(int(c.numel()) for c in self.counts) / max(1, len(self.counts))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def check_kernel(model, device, dtype) -> dict:
+    """The fused kernel against the torch reference on one layer's real weights (decode and prefill sizes)."""
+    from spark.engine.kernels import fused_moe
+    from spark.engine.models.moe import SparseMoe
+
+    moe = next(layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, SparseMoe))
+    gen = torch.Generator(device=device).manual_seed(0)
+    worst = {}
+    for tokens in (1, 64, 2000):
+        x = torch.randn(tokens, moe.w13.shape[2], generator=gen, device=device).to(dtype)
+        weights, ids = fused_moe.route(moe.gate(x), moe.top_k, moe.renormalize)
+        got = fused_moe.fused_moe_triton(x, moe.w13, moe.w2, weights, ids).float()
+        want = fused_moe.fused_moe_reference(x, moe.w13, moe.w2, weights, ids).float()
+        worst[tokens] = round(((got - want).abs().max() / want.abs().max()).item(), 5)
+    return worst
+
+
+def step_roofline(config, model, batch: int, experts_per_layer: float, context: float, dtype_bytes: int) -> dict:
+    """Bytes and FLOPs a decode step of ``batch`` rows at mean ``context`` must move and do."""
+    from spark.engine.models.moe import SparseMoe
+
+    c = config
+    sparse = [layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, SparseMoe)]
+    expert_params = 3 * c.moe_intermediate_size * c.hidden_size  # one expert's w13 and w2
+    all_params = sum(p.numel() for p in model.parameters())
+    stacked = sum(m.w13.numel() + m.w2.numel() for m in sparse)
+    embedding = c.vocab_size * c.hidden_size
+    # Outside the experts every weight is read once, but of the embedding only the rows looked up
+    # (a tied head reads it whole, as the head).
+    dense_params = all_params - stacked - (0 if c.tie_word_embeddings else embedding) + batch * c.hidden_size
+    touched = len(sparse) * experts_per_layer * expert_params
+    kv_tok = c.kv_bytes_per_token(dtype_bytes)
+    step_bytes = (dense_params + touched) * dtype_bytes + batch * context * kv_tok + batch * kv_tok
+    active = dense_params + len(sparse) * c.num_experts_per_tok * expert_params
+    step_flops = 2 * active * batch + 4 * batch * context * c.num_heads * c.head_dim * c.num_layers
+    step_s = max(step_bytes / BANDWIDTH, step_flops / MATMUL)
+    return {"step_bytes": int(step_bytes), "step_flops": int(step_flops), "roofline_step_ms": step_s * 1e3,
+            "roofline_tok_s": batch / step_s, "experts_per_layer": experts_per_layer,
+            "bound": "bytes" if step_bytes / BANDWIDTH >= step_flops / MATMUL else "flops"}
+
+
+def spark_decode(engine, batch: int, prompt: int, new: int, seed: int) -> tuple[float, float]:
+    """(decode tokens/s, ms per step) of ``batch`` sequences over ``new`` tokens, prefill not timed."""
+    from spark.core.plan import Chunk, StepPlan
+    from spark.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    alloc = engine.new_page_allocator()
+    ids = [("bench", seed, i) for i in range(batch)]
+    for sid in ids:
+        engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (prompt,), generator=gen).tolist(), params)
+    per_step = max(1, 8192 // prompt)
+    for start in range(0, batch, per_step):
+        group = ids[start:start + per_step]
+        engine.step(StepPlan(tuple(Chunk(s, prompt, alloc.allocate(s, prompt)) for s in group)))
+    # step() already returned the prefill's first tokens: the rest are decode steps
+    cuda = engine.device.type == "cuda"
+    sync(engine.device)
+    if cuda:
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_ev.record()
+    t0 = time.perf_counter()
+    tokens, launched, steps = 0, 0, 0
+    live = list(ids)
+    while live or launched:
+        # Step N+1 is launched before step N's tokens are read back, as the server does.
+        if live and launched < 2:
+            chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
+            engine.launch(StepPlan(chunks))
+            launched, steps = launched + 1, steps + 1
+            if launched < 2:
+                continue
+        outs = engine.collect()
+        launched -= 1
+        tokens += len(outs)
+        ended = {o.seq_id for o in outs if o.finish_reason is not None}
+        live = [s for s in live if s not in ended]
+    if cuda:
+        end_ev.record()
+        end_ev.synchronize()
+        seconds = start_ev.elapsed_time(end_ev) / 1e3
+    else:
+        seconds = time.perf_counter() - t0
+    return tokens / seconds, seconds / steps * 1e3
+
+
+def hf_config(config):
+    """The transformers config of a Spark MoE config."""
+    import transformers
+
+    c = config
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+                  num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                  rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+                  tie_word_embeddings=c.tie_word_embeddings, num_experts_per_tok=c.num_experts_per_tok,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if c.arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            **common, intermediate_size=c.intermediate_size, moe_intermediate_size=c.moe_intermediate_size,
+            num_experts=c.num_experts, norm_topk_prob=c.norm_topk_prob, mlp_only_layers=list(c.dense_layers))
+    if c.arch == "mixtral":
+        return transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            **common, intermediate_size=c.moe_intermediate_size, num_local_experts=c.num_experts)
+    raise ValueError(f"not an MoE architecture: {c.arch}")
+
+
+def hf_decode(config, device, dtype, batch: int, prompt: int, new: int) -> float:
+    """transformers ``generate`` tokens/s (its prefill included, dynamic cache), after a short warm-up."""
+    cls, cfg = hf_config(config)
+    with torch.device(device):
+        model = cls(cfg).to(dtype).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
+    mask = torch.ones_like(ids)
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        sync(device)
+    rate = batch * new / (time.perf_counter() - t0)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="a dummy MoE preset (qwen3-30b-a3b, mixtral-8x7b, tiny-*)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hf-new-b1", type=int, default=32, help="transformers' new tokens at batch 1 (it is slow there)")
+    ap.add_argument("--quick", action="store_true", help="one rep, 16 new tokens")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.new, args.hf_new_b1 = 1, 16, 8
+    from spark.engine.engine import Engine
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    max_len = args.prompt + args.new + 16
+    t0 = time.perf_counter()
+    log(f"loading dummy:{args.preset} on {device} in {dtype} ...")
+    engine = Engine.load(f"dummy:{args.preset}", device=device, dtype=dtype, progress=False, max_model_len=max_len,
+                         kv_cache_tokens=max(batches) * (max_len + 16))
+    config = engine.config
+    if not config.num_experts:
+        raise SystemExit(f"{args.preset} is not an MoE preset")
+    doc = {"bench": "moe_decode", "preset": args.preset, "device": _device_name(device), "dtype": str(dtype),
+           "date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(["python"] + sys.argv),
+           "prompt": args.prompt, "new": args.new, "bandwidth_assumed": BANDWIDTH, "matmul_assumed": MATMUL,
+           "results": []}
+    log(f"loaded in {time.perf_counter() - t0:.1f}s: {sum(p.numel() for p in engine.model.parameters()) / 1e9:.2f}B "
+        f"parameters, {config.num_experts} experts, top-{config.num_experts_per_tok}")
+    if device.type == "cuda":
+        doc["copy_tb_s"] = round(_copy_bandwidth() / 1e12, 3)
+        log(f"device-to-device copy {doc['copy_tb_s']} TB/s (the roofline assumes {BANDWIDTH / 1e12})")
+
+    if device.type == "cuda":
+        doc["kernel_check_rel_err"] = check_kernel(engine.model, device, dtype)
+        log(f"fused MoE vs the torch reference, max |diff| / max |ref| by tokens: {doc['kernel_check_rel_err']}")
+    # Warm-up, eager, with the router counted: how many distinct experts a decode step touches.
+    experts = {}
+    for batch in batches:
+        counter = ExpertCounter(engine.model, batch)
+        log(f"batch {batch}: eager warm-up, counting experts ...")
+        rate, _ = spark_decode(engine, batch, args.prompt, args.new, seed=1000 + batch)
+        counter.remove()
+        experts[batch] = counter.mean()
+        log(f"batch {batch}: eager {rate:.1f} tok/s; {experts[batch]:.1f} distinct experts per layer and step "
+            f"(of {config.num_experts}; {len(counter.counts)} layer-steps)")
+    if device.type == "cuda" and not args.no_graphs:
+        t1 = time.perf_counter()
+        engine.enable_cuda_graphs(max(batches))
+        engine.graphs.capture_all()
+        log(f"CUDA graphs captured for batches up to {max(batches)} in {time.perf_counter() - t1:.1f}s")
+    rows = []
+    for batch in batches:
+        runs = []
+        for rep in range(args.reps + 1):  # the first is a warm-up (graphs replayed once, allocator settled)
+            tok_s, step_ms = spark_decode(engine, batch, args.prompt, args.new, seed=rep)
+            if rep:
+                runs.append((tok_s, step_ms))
+        tok_s = statistics.median(r[0] for r in runs)
+        roof = step_roofline(config, engine.model, batch, experts[batch], args.prompt + args.new / 2,
+                             dtype.itemsize)
+        row = {"batch": batch, "tok_s": round(tok_s, 1), "step_ms": round(statistics.median(r[1] for r in runs), 3),
+               "tok_s_runs": [round(r[0], 1) for r in runs], "roofline_frac": round(tok_s / roof["roofline_tok_s"], 3),
+               **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in roof.items()}, "hf_tok_s": None}
+        rows.append(row)
+        doc["results"] = rows
+        _write(args, doc)
+        log(f"batch {batch}: spark {tok_s:.1f} tok/s (runs {row['tok_s_runs']}), step {row['step_ms']} ms, "
+            f"roofline {roof['roofline_tok_s']:.1f} tok/s ({roof['bound']}), {row['roofline_frac']} of it")
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.no_hf:
+        for row in rows:
+            new = args.hf_new_b1 if row["batch"] == 1 else args.new
+            log(f"transformers batch {row['batch']}: building the same config with random weights, {new} new tokens ...")
+            row["hf_tok_s"] = round(hf_decode(config, device, dtype, row["batch"], args.prompt, new), 1)
+            row["hf_new_tokens"] = new
+            log(f"transformers batch {row['batch']}: {row['hf_tok_s']} tok/s")
+            _write(args, doc)
+    path = _write(args, doc)
+    print(f"\n{args.preset} on {doc['device']} ({dtype}), {args.prompt}-token prompts, {args.new} new tokens; "
+          f"roofline at {BANDWIDTH / 1e12} TB/s, {MATMUL / 1e12:.0f} TFLOP/s")
+    print(f"{'batch':>5} {'spark tok/s':>11} {'step ms':>8} {'experts':>8} {'roof tok/s':>10} {'frac':>6} {'hf tok/s':>9}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['tok_s']:>11} {r['step_ms']:>8} {r['experts_per_layer']:>8.1f} "
+              f"{r['roofline_tok_s']:>10.1f} {r['roofline_frac']:>6} {str(r['hf_tok_s']):>9}")
+    print(f"results: {path}")
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """This GPU's device-to-device copy rate (bytes read + written per second), median after a warm-up."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(seconds)
+
+
+def _write(args, doc: dict) -> str:
+    gpu = doc["device"].split()[-1].lower() if doc["device"] != "cpu" else "cpu"
+    out = args.out or f"benchmarks/results/{doc['date']}-moe-decode-{args.preset}-{gpu}.json"
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
