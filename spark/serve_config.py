@@ -53,6 +53,8 @@ class ServeConfig:
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
     # Full prompt pages are cached and reused by later prompts that start with the same tokens.
     prefix_caching: bool = True
+    # On a GPU, every step shape the server will plan runs once before it says ready (spark/engine/warmup.py).
+    warm_up: bool = True
     # A stored Response's prefix (and an Anthropic cache_control breakpoint's without a ttl) stays
     # cached this long; pinned pages never exceed this share of the KV cache.
     prefix_pin_ttl_s: float = 300.0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 import trio
@@ -51,7 +50,7 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     threads = config.resolved_cpu_threads()
     kwargs["adapt_cpu_threads"] = config.cpu_threads is None  # a count the user gave stays
     # Ready means warm: every step shape this server will plan runs once before it answers (GPU).
-    warm = WarmupShape(config.max_batch_size, config.max_prefill_tokens) if os.environ.get("SPARK_WARM_UP") != "0" else None
+    warm = WarmupShape(config.max_batch_size, config.max_prefill_tokens) if config.warm_up else None
     if config.uses_engine_process():
         from spark.actors.engine_process import EngineProcess
 
