@@ -7,6 +7,7 @@ would hold them, K contiguous). The output of a token is the routing-weighted su
 
 The Triton path, as vLLM's fused MoE does it:
 
+0. ``route_triton``: softmax, top-k and renormalisation in one launch;
 1. ``align``: the slots sorted by expert, each expert's run padded to a multiple of
    ``BLOCK_M`` (padding holds the sentinel ``T * k``), and the expert of every block of
    ``BLOCK_M`` rows. Sizes are the static worst case (every used expert wastes
@@ -47,6 +48,21 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` in one launch (one program a token): weights fp32 [T, k], expert ids int32 [T, k].
+
+    Ties between equal probabilities go to the lower expert id (torch's topk does not promise an order)."""
+    kernel = _kernels()[2]
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        kernel[(num_tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
+                              K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+                              RENORMALIZE=renormalize)
     return weights, ids
 
 
@@ -124,7 +140,7 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[
     block_expert = torch.empty(blocks, dtype=torch.int32, device=topk_ids.device)
     e_pad = triton.next_power_of_2(num_experts)
     align_kernel[(1,)](topk_ids, sorted_slots, block_expert, num_slots, rows, blocks, num_experts,
-                        BLOCK_M=block, E_PAD=e_pad, CHUNK=max(16, 4096 // e_pad), num_warps=4)
+                        BLOCK_M=block, E_PAD=e_pad, CHUNK=max(16, 8192 // e_pad), FILL=1024, num_warps=8)
     return sorted_slots, block_expert
 
 
@@ -167,7 +183,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 @functools.cache
 def _kernels():
-    """(align kernel, grouped GEMM kernel), JIT-ed at first use."""
+    """(align kernel, grouped GEMM kernel, route kernel), JIT-ed at first use."""
     global triton, tl, _silu_mul
     import triton
     import triton.language as tl
@@ -176,7 +192,7 @@ def _kernels():
 
     @triton.jit
     def moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_slots, rows, blocks, num_experts,
-                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
         experts = tl.arange(0, E_PAD)
         counts = tl.zeros([E_PAD], dtype=tl.int32)
         # while, not range(): the Triton 3.6 interpreter cannot take runtime bounds of a range
@@ -199,9 +215,9 @@ def _kernels():
             b0 += CHUNK
         r0 = 0
         while r0 < rows:
-            r = r0 + tl.arange(0, CHUNK)
-            tl.store(sorted_ptr + r, tl.full([CHUNK], 0, tl.int32) + num_slots, mask=r < rows)
-            r0 += CHUNK
+            r = r0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + r, tl.full([FILL], 0, tl.int32) + num_slots, mask=r < rows)
+            r0 += FILL
         tl.debug_barrier()  # the padding is written before any slot lands over it
         seen = tl.zeros([E_PAD], dtype=tl.int32)
         start = 0
@@ -255,4 +271,29 @@ def _kernels():
         out = out_ptr + slot.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
-    return moe_align_kernel, moe_gemm_kernel
+    @triton.jit
+    def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, num_experts, TOP_K: tl.constexpr,
+                         K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+        # One token: softmax over its experts' logits in fp32, then k rounds of argmax.
+        t = tl.program_id(0).to(tl.int64)
+        experts = tl.arange(0, E_PAD)
+        logits = tl.load(logits_ptr + t * stride_t + experts, mask=experts < num_experts,
+                         other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = p / tl.sum(p, axis=0)
+        picks = tl.arange(0, K_PAD)
+        top_w = tl.zeros([K_PAD], dtype=tl.float32)
+        top_i = tl.zeros([K_PAD], dtype=tl.int32)
+        left = tl.where(experts < num_experts, p, -1.0)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(left, axis=0)
+            at = tl.min(tl.where(left == best, experts, E_PAD), axis=0)  # the lowest id among ties
+            top_w = tl.where(picks == j, best, top_w)
+            top_i = tl.where(picks == j, at, top_i)
+            left = tl.where(experts == at, -1.0, left)
+        if RENORMALIZE:
+            top_w = top_w / tl.sum(tl.where(picks < TOP_K, top_w, 0.0), axis=0)
+        tl.store(weights_ptr + t * TOP_K + picks, top_w, mask=picks < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + picks, top_i, mask=picks < TOP_K)
+
+    return moe_align_kernel, moe_gemm_kernel, moe_route_kernel

@@ -80,7 +80,7 @@ def _moe_reference(x, router: nn.Linear, w13, w2, top_k: int, renormalize: bool)
 
 
 def _moe_triton(x, router: nn.Linear, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    weights, ids = fused_moe.route(router(x), top_k, renormalize)
+    weights, ids = fused_moe.route_triton(router(x), top_k, renormalize)
     return fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
 
 

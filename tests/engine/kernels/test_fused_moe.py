@@ -52,6 +52,15 @@ def test_route_renormalised_top_k_is_a_softmax_over_the_selected_logits():
     assert torch.equal(ids, same) and torch.allclose(plain, torch.softmax(logits, -1).gather(1, ids))
 
 
+@pytest.mark.parametrize("experts, k, renormalize", [(8, 2, True), (128, 8, False), (6, 3, True), (4, 1, False)])
+def test_route_triton_matches_route(experts, k, renormalize):
+    logits = (3 * torch.randn(9, experts, generator=torch.Generator().manual_seed(experts))).to(torch.bfloat16)
+    weights, ids = fm.route_triton(logits, k, renormalize)
+    want_w, want_i = fm.route(logits, k, renormalize)
+    assert torch.equal(ids.long(), want_i)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("used", [None, [1, 6]])  # all experts, or most with zero tokens
 def test_reference_matches_naive(used):
     x, w13, w2, weights, ids = make_moe(7, 8, 3, 32, 24, used=used)
