@@ -227,7 +227,8 @@ def _kernels():
             hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD], one 1 per real slot
             rank = tl.cumsum(hit, axis=0)  # 1 + earlier slots of the same expert in this chunk
             dest = tl.sum(hit * ((starts + seen - 1)[None, :] + rank), axis=1)
-            tl.store(sorted_ptr + dest, offs, mask=offs < num_slots)
+            # (an id outside 0..E-1 hits nothing: dropped, rather than written over row 0)
+            tl.store(sorted_ptr + dest, offs, mask=(offs < num_slots) & (tl.sum(hit, axis=1) > 0))
             seen += tl.sum(hit, axis=0)
             start += CHUNK
 
@@ -288,6 +289,9 @@ def _kernels():
         for j in tl.static_range(TOP_K):
             best = tl.max(left, axis=0)
             at = tl.min(tl.where(left == best, experts, E_PAD), axis=0)  # the lowest id among ties
+            # A NaN row (a padded row of a replayed graph attends to nothing) matches no expert:
+            # it takes expert 0, so that no id ever points outside the weights.
+            at = tl.where(at < num_experts, at, 0)
             top_w = tl.where(picks == j, best, top_w)
             top_i = tl.where(picks == j, at, top_i)
             left = tl.where(experts == at, -1.0, left)
