@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+from offline_decode import copy_bandwidth  # a sibling: benchmarks/ is the script's directory
 
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md)
 MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
@@ -237,7 +238,7 @@ def main() -> int:
     log(f"loaded in {time.perf_counter() - t0:.1f}s: {sum(p.numel() for p in engine.model.parameters()) / 1e9:.2f}B "
         f"parameters, {config.num_experts} experts, top-{config.num_experts_per_tok}")
     if device.type == "cuda":
-        doc["copy_tb_s"] = round(_copy_bandwidth() / 1e12, 3)
+        doc["copy_tb_s"] = round(copy_bandwidth() / 1e12, 3)
         log(f"device-to-device copy {doc['copy_tb_s']} TB/s (the roofline assumes {BANDWIDTH / 1e12})")
 
     if device.type == "cuda":
@@ -300,25 +301,6 @@ def main() -> int:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
-    """This GPU's device-to-device copy rate (bytes read + written per second), median after a warm-up."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    seconds = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(seconds)
 
 
 def _write(args, doc: dict) -> str:
