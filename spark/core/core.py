@@ -381,7 +381,7 @@ class Core:
             if seq_id not in self._active:
                 continue  # cancelled meanwhile: its pages are gone
             got = len(emitted.get(seq_id, ()))
-            self.speculator.observe(drafted, got)
+            self.speculator.observe(seq_id, drafted, got)
             if drafted and seq_id not in ended:  # (an ended one's pages all go)
                 self.scheduler.rollback(seq_id, drafted + 1 - got)
 

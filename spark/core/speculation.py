@@ -7,6 +7,10 @@ emits the samples up to the first that differs from the draft, that one included
 rows accept the longest prefix equal to the argmax chain, sampled rows keep their output
 distribution (``spark.engine.engine``). The scheduler then rolls the rejected tokens back.
 
+A sequence drafts as many tokens as its last verification accepted, plus one (up to ``num_tokens``):
+a draft that is all taken doubles the next, a rejected one shrinks it, so that a sequence whose
+context does not repeat pays one extra position a step rather than ``num_tokens``.
+
 Drafts need the sequence's last token on the host, so while any sequence speculates the core
 launches one step at a time (no step planned behind one in flight). Speculation pays while a
 step is bound by reading the weights; past ``max_batch`` running sequences it is compute-bound
@@ -52,6 +56,7 @@ class Speculator:
         self.config = config
         self.counts = SpecCounts()
         self._indexes: dict[Hashable, NgramIndex] = {}
+        self._lengths: dict[Hashable, int] = {}  # each sequence's next draft length at most
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._indexes
@@ -62,9 +67,11 @@ class Speculator:
     def start(self, seq_id: Hashable, prompt_ids: Iterable[int]) -> None:
         c = self.config
         self._indexes[seq_id] = NgramIndex(prompt_ids, n_max=c.ngram_max, n_min=min(c.ngram_min, c.ngram_max))
+        self._lengths[seq_id] = c.num_tokens
 
     def forget(self, seq_id: Hashable) -> None:
         self._indexes.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
 
     def extend(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Tokens ``seq_id`` got (a collected step's)."""
@@ -73,17 +80,21 @@ class Speculator:
             index.extend(tokens)
 
     def draft(self, seq_id: Hashable, limit: int) -> tuple[int, ...]:
-        """Up to ``min(num_tokens, limit)`` tokens to verify after ``seq_id``'s last one."""
-        return tuple(self._indexes[seq_id].draft(min(self.config.num_tokens, limit)))
+        """Up to ``limit`` tokens to verify after ``seq_id``'s last one (fewer as its drafts fail)."""
+        return tuple(self._indexes[seq_id].draft(min(self._lengths[seq_id], limit)))
 
     def on(self, running: int) -> bool:
         """Whether sequences speculate with ``running`` sequences decoding."""
         return bool(self._indexes) and running <= self.config.max_batch
 
-    def observe(self, drafted: int, emitted: int) -> None:
+    def observe(self, seq_id: Hashable, drafted: int, emitted: int) -> None:
         """A collected decode of a speculating sequence: ``drafted`` tokens verified, ``emitted`` given."""
+        accepted = max(0, min(drafted, emitted - 1))
         c = self.counts
         c.steps += 1
         c.tokens += emitted
         c.drafted += drafted
-        c.accepted += max(0, min(drafted, emitted - 1))
+        c.accepted += accepted
+        if drafted and seq_id in self._lengths:
+            grown = 2 * drafted if accepted == drafted else accepted + 1
+            self._lengths[seq_id] = min(self.config.num_tokens, grown)

@@ -57,9 +57,23 @@ def test_speculator_drafts_and_counts():
     spec.extend("a", [3, 9])
     assert spec.draft("a", 10) == ()
     assert spec.on(2) and not spec.on(3)
-    spec.observe(3, 2)
-    spec.observe(0, 1)
+    spec.observe("a", 3, 2)
+    spec.observe("a", 0, 1)
     c = spec.counts
     assert (c.drafted, c.accepted, c.steps, c.tokens) == (3, 1, 2, 3)
     spec.forget("a")
     assert not spec.on(1)
+
+
+def test_draft_length_follows_acceptance():
+    """A rejected draft shrinks the next to what was accepted plus one; a draft all taken doubles it."""
+    spec = Speculator(SpecConfig(num_tokens=6))
+    spec.start("a", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    assert len(spec.draft("a", 10)) == 6
+    spec.observe("a", 6, 1)  # nothing accepted
+    assert spec.draft("a", 10) == (3,)
+    spec.observe("a", 1, 2)  # all accepted
+    assert spec.draft("a", 10) == (3, 4)
+    spec.observe("a", 2, 3)
+    spec.observe("a", 4, 5)
+    assert len(spec.draft("a", 10)) == 6  # capped at num_tokens
