@@ -72,6 +72,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     srv.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default=None,
                      help="slai (default): keeps running streams within a time-between-tokens deadline while "
                           "prefills progress; fifo: first come, first served")
+    srv.add_argument("--tbt-deadline-ms", type=float, default=None,
+                     help="slai's time-between-tokens target of a stream, in ms (default 200; a request's tbt_ms wins)")
+    srv.add_argument("--ttft-bound", dest="ttft_bound_s", type=float, default=None,
+                     help="refuse a request (429, Anthropic 529, with Retry-After) whose first token is predicted to "
+                          "come later than this many seconds (default: queue every request)")
     srv.add_argument("--scheduler-depth", type=int, default=None,
                      help="engine steps launched ahead of their results (default 2)")
     srv.add_argument("--max-model-len", type=int, default=None,
@@ -183,7 +188,8 @@ def _serve(args) -> int:
     config = ServeConfig.from_env(
         host=args.host, port=args.port, model=args.model, served_name=args.served_name, device=args.device,
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
-        scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, max_model_len=args.max_model_len,
+        scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, tbt_deadline_ms=args.tbt_deadline_ms,
+        ttft_bound_s=args.ttft_bound_s, max_model_len=args.max_model_len,
         cpu_threads=args.cpu_threads, weight_format=args.weight_format, api_keys=tuple(args.api_key) if args.api_key else None,
         recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key,
         **_state_paths(args.state_dir, args.port),

@@ -7,6 +7,8 @@ import statistics
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from spark.actors.admission import TtftPredictor
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
@@ -40,6 +42,15 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.queue_waits = QueueWaits()  # not exported: the ingress's Retry-After
+        self.ttft = TtftPredictor()  # not exported: the ingress's admission (open_system configures it)
+        self.ttft_predicted = Histogram(
+            "spark_ttft_predicted_seconds", "Time to first token predicted at admission", buckets=_LATENCY_BUCKETS,
+            registry=r)
+        self.ttft_prediction_error = Histogram(
+            "spark_ttft_prediction_error_ratio", "|predicted - measured| / measured time to first token",
+            buckets=(0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1, 2, 5), registry=r)
+        self.refused_overloaded = Counter(
+            "spark_requests_refused_overloaded", "Requests refused: their predicted TTFT passed the bound", registry=r)
         self.time_to_first_token = Histogram(
             "spark_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r
         )

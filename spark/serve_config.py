@@ -45,7 +45,10 @@ class ServeConfig:
     max_batch_size: int = 64  # running sequences at most
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(SCHEDULER_POLICIES))
-    tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream
+    tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream (a request's tbt_ms wins)
+    # Refuse (429; Anthropic 529) a request whose first token is predicted to come later than this, with a
+    # Retry-After from the prediction (spark/actors/admission.py); None: queue every request.
+    ttft_bound_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
     # Engine steps launched ahead of their results; None: 2 (the host prepares step N+1 while the
     # device runs N). Each more costs an ended sequence one more wasted row.
     scheduler_depth: int | None = attrs.field(default=None, validator=attrs.validators.optional(

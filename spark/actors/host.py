@@ -104,7 +104,7 @@ class CoreLoop:
                 if isinstance(message, Admit):
                     r = message.request
                     self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited, pins=r.pins,
-                                     grammar=r.grammar, speculate=r.speculative)
+                                     grammar=r.grammar, speculate=r.speculative, tbt=r.tbt_s)
                 elif isinstance(message, Unpin):
                     self.core.unpin(message.key)
                 else:
@@ -340,6 +340,7 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
     for seconds in core.queue_times:
         metrics.queue_time.observe(seconds)
         metrics.queue_waits.started(seconds, now)
+    metrics.ttft.observe_core(core.requests_running, core.steps)
     for step in core.steps:
         metrics.step_seconds.observe(step.seconds)
         metrics.step_decode_rows.observe(step.decode_rows)

@@ -11,11 +11,14 @@ output; leaving it early cancels the request.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import trio
 
 from spark.actors.messages import Cancel, GenerateRequest, RequestOutput, Submission, Unpin
 from spark.actors.rate_limiter import RateLimiter
+
+OVERLOADED = "overloaded"  # a SubmitError's code when the predicted TTFT passes the bound (Anthropic: 529)
 
 
 class SubmitError(Exception):
@@ -35,8 +38,10 @@ class RequestStream:
     would have one token at a time.
     """
 
-    def __init__(self, request_id: str, pieces: trio.MemoryReceiveChannel, cancels: trio.MemorySendChannel):
+    def __init__(self, request_id: str, pieces: trio.MemoryReceiveChannel, cancels: trio.MemorySendChannel,
+                 on_close: Callable[[str], None] = lambda request_id: None):
         self.request_id = request_id
+        self._on_close = on_close
         self._pieces = pieces
         self._cancels = cancels
         self._error: RequestOutput | None = None  # an error piece drained early: the next one returned
@@ -49,6 +54,7 @@ class RequestStream:
         await self.aclose()
 
     async def aclose(self) -> None:
+        self._on_close(self.request_id)
         if not self.finished:
             self.finished = True
             # Shielded: this runs while the handler is being cancelled (client gone).
@@ -128,7 +134,8 @@ class Ingress:
         have room for all: a refusal charges the key nothing and leaves nothing queued.
 
         Raises:
-            SubmitError: 400 (a bad prompt), 503 (the queue is full), 429 (the key's rate).
+            SubmitError: 400 (a bad prompt), 503 (the queue is full), 429 (the first token predicted past
+              ``ttft_bound_s``: code ``overloaded``; or the key's rate).
         """
         for request in requests:
             self._check(request)
@@ -141,6 +148,14 @@ class Ingress:
             wait = self._metrics.queue_waits.expected_wait(trio.current_time())
             raise SubmitError(503, "server_busy", f"the request queue is full; requests wait about {wait:.0f} s",
                               retry_after=wait)
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+        refusal = self._metrics.ttft.refusal(prompt_tokens)
+        if refusal is not None:  # before the rate limit, which would charge the key
+            predicted, retry = refusal
+            self._metrics.refused_overloaded.inc()
+            raise SubmitError(429, OVERLOADED, f"the server is overloaded: the first token would come in about "
+                              f"{predicted:.1f} s, past its bound of {self._metrics.ttft.limits.ttft_bound_s:g} s",
+                              retry_after=retry)
         key = requests[0].api_key
         if key is not None:
             tokens = sum(len(r.prompt_ids) + r.params.max_tokens for r in requests)
@@ -154,7 +169,10 @@ class Ingress:
             # No await since the checks above: the queue still has room.
             self._admissions.send_nowait(Submission(request, pieces_send, trio.current_time()))
             self._metrics.prompt_tokens.inc(len(request.prompt_ids))
-            streams.append(RequestStream(request.request_id, pieces, self._cancels.clone()))
+            predicted = self._metrics.ttft.admitted(request.request_id, len(request.prompt_ids))
+            if predicted is not None:
+                self._metrics.ttft_predicted.observe(predicted)
+            streams.append(RequestStream(request.request_id, pieces, self._cancels.clone(), self._metrics.ttft.ended))
         return streams
 
     def _check(self, request: GenerateRequest) -> None:

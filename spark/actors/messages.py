@@ -42,6 +42,7 @@ class GenerateRequest:
     pins: tuple[PrefixPin, ...] = ()  # prefixes to keep cached after it ends (a stored Response, cache_control)
     grammar: GrammarSpec | None = None  # what the output must follow (a JSON schema, a forced tool call)
     speculative: bool = True  # False: never speculates, whatever the server's ``speculative`` says
+    tbt_s: float | None = None  # its time-between-tokens target (SLAI); None: the server's ``tbt_deadline_ms``
 
 
 @attrs.frozen

@@ -137,6 +137,9 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     stream.num_output += 1
     if stream.last_time is None:
         metrics.time_to_first_token.observe(now - sub.arrival)
+        error = metrics.ttft.first_token(req.request_id, now - sub.arrival)
+        if error is not None:
+            metrics.ttft_prediction_error.observe(error)
     else:
         metrics.inter_token_latency.observe(now - stream.last_time)
     stream.last_time = now

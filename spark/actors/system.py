@@ -29,6 +29,7 @@ from typing import AsyncIterator
 import trio
 
 from spark.actors import streamer
+from spark.actors.admission import AdmissionLimits, TtftPredictor
 from spark.actors.engine_process import EngineProcess
 from spark.actors.host import ThreadTransport, Transport, run_host
 from spark.actors.ingress import Ingress, RequestStream, SubmitError
@@ -110,6 +111,8 @@ async def open_system(
         config: limits and policies (``ServeConfig``).
     """
     metrics = Metrics()
+    metrics.ttft = TtftPredictor(AdmissionLimits(config.scheduler, config.max_prefill_tokens,
+                                                 config.tbt_deadline_ms / 1000.0, ttft_bound_s=config.ttft_bound_s))
     transport: Transport = engine.transport() if isinstance(engine, EngineProcess) else ThreadTransport(engine)
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)

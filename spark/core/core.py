@@ -45,6 +45,18 @@ class _Launched:
     speculated: tuple[tuple[Hashable, int], ...] = ()  # (seq, tokens drafted): decodes of speculating sequences
 
 
+
+@attrs.frozen
+class _Submitted:
+    """A request submitted and not yet admitted, as ``Core.submit`` took it."""
+
+    new: NewSequence
+    arrival: float
+    pins: tuple[PrefixPin, ...]
+    grammar: GrammarSpec | None
+    speculate: bool
+    tbt: float | None
+
 class Core:
     """A ``Scheduler`` and the ``StepEngine`` it plans for, stepped by whoever drives it.
 
@@ -73,7 +85,7 @@ class Core:
         self._doomed: set[Hashable] = set()  # requests a fault fails at their first result
         self.depth = max(1, depth)
         self.clock = clock
-        self._pending: dict[Hashable, tuple[NewSequence, float, tuple[PrefixPin, ...], GrammarSpec | None, bool]] = {}  # submitted, not admitted
+        self._pending: dict[Hashable, _Submitted] = {}  # submitted, not admitted
         self._active: set[Hashable] = set()  # admitted, not ended
         self._added: list[NewSequence] = []  # to register with the engine in the next plan
         self._removed: list[Hashable] = []  # the engine must forget
@@ -87,14 +99,16 @@ class Core:
 
     # -- requests ---------------------------------------------------------
     def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None,
-               pins: Sequence[PrefixPin] = (), grammar: GrammarSpec | None = None, speculate: bool = True) -> None:
+               pins: Sequence[PrefixPin] = (), grammar: GrammarSpec | None = None, speculate: bool = True,
+               tbt: float | None = None) -> None:
         """Queue a request; it is admitted (``Opened``) when the batch has room. ``pins``: prefixes of
         it to keep cached for a while after it ends (prefix caching only); ``grammar``: what its
         output must follow; ``speculate``: False opts it out of speculation (a constrained request
-        never speculates: its masks follow one token at a time)."""
+        never speculates: its masks follow one token at a time); ``tbt``: its time-between-tokens
+        target in seconds, for SLAI (None: the server's)."""
         arrival = self.clock() if arrival is None else arrival
-        self._pending[request_id] = (NewSequence(request_id, tuple(prompt_ids), params), arrival, tuple(pins), grammar,
-                                     speculate)
+        self._pending[request_id] = _Submitted(NewSequence(request_id, tuple(prompt_ids), params), arrival,
+                                               tuple(pins), grammar, speculate, tbt)
 
     def cancel(self, request_id: Hashable) -> None:
         """End a request wherever it is (its pages are free for the next plan); unknown ids are ignored."""
@@ -171,7 +185,8 @@ class Core:
     def _admit(self, events: list[Event]) -> None:
         while self._pending and self.scheduler.has_room():
             request_id = next(iter(self._pending))
-            new, arrival, pins, grammar, speculate = self._pending.pop(request_id)
+            sub = self._pending.pop(request_id)
+            new, grammar = sub.new, sub.grammar
             if grammar is not None:
                 failure = self._start_grammar(request_id, grammar)
                 if failure is not None:
@@ -182,10 +197,11 @@ class Core:
             if self.faults.every_nth_request and self._admissions % self.faults.every_nth_request == 0:
                 self._doomed.add(request_id)
             self._added.append(new)
-            if self.speculator is not None and speculate and grammar is None:
+            if self.speculator is not None and sub.speculate and grammar is None:
                 self.speculator.start(request_id, new.prompt_ids)
             n = len(new.prompt_ids)
-            self.scheduler.add(SeqState(request_id, n, arrival, prompt_len=n, prompt_ids=new.prompt_ids, pins=pins))
+            self.scheduler.add(SeqState(request_id, n, sub.arrival, prompt_len=n, prompt_ids=new.prompt_ids,
+                                        pins=sub.pins, tbt=sub.tbt))
             events.append(Opened(request_id))
 
     def _start_grammar(self, request_id: Hashable, grammar: GrammarSpec) -> str | None:

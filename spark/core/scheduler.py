@@ -39,6 +39,7 @@ class SeqState:
     num_computed: int = 0  # tokens whose K/V are in the cache
     prompt_len: int = 0
     last_token_time: float | None = None
+    tbt: float | None = None  # its time-between-tokens target in seconds (None: the server's)
     started: float | None = None  # when its first prefill chunk was scheduled
     prompt_ids: tuple[int, ...] = ()  # for prefix caching (none: nothing to match or register)
     cached_tokens: int = 0  # prompt tokens its first admission found cached
@@ -195,7 +196,8 @@ class Scheduler:
     def on_step_done(self, planned: Iterable[Chunk], sampled: Iterable[Hashable], now: float, seconds: float) -> None:
         """Account a finished step: its time (for the policy) and when its tokens came."""
         planned = list(planned)
-        self.policy.observe_step(sum(c.num_tokens for c in planned), seconds)
+        rows = sum(1 for c in planned if c.num_tokens == 1 or c.draft)
+        self.policy.observe_step(rows, sum(c.num_tokens for c in planned if c.num_tokens > 1 and not c.draft), seconds)
         for seq_id in sampled:
             seq = self._seqs.get(seq_id)
             if seq is not None:

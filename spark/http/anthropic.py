@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, g, request
 
+from spark.actors.ingress import OVERLOADED
 from spark.http import breakpoints, spine
 from spark.http.breakpoints import CacheControl
 from spark.http.chat_prompt import chat_format
@@ -35,7 +36,7 @@ log = logging.getLogger("spark.http")
 PREFIX = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "overloaded_error"}
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 _THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 
@@ -395,6 +396,8 @@ async def _reshape_error(response: Response) -> Response:
         message = body["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return response
+    if body["error"].get("code") == OVERLOADED:  # Anthropic's own status for an overloaded server
+        response.status_code = 529
     response.set_data(json.dumps({"type": "error", **anthropic_error(response.status_code, message)}))
     return response
 

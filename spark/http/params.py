@@ -7,6 +7,7 @@ what the checks need to know about the served model.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from collections.abc import Mapping, Sequence
 
@@ -231,6 +232,7 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
     """
     n = num_choices(req.n)
     stop = stop_strings(req.stop)
+    tbt_s = tbt_target(req.tbt_ms)
     requests = []
     for p, prompt in enumerate(prompts):
         capped = room_left(params, prompt, limits, param="messages" if isinstance(req, ChatRequest) else "prompt")
@@ -240,9 +242,18 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
                 request_id=f"{request_id}-{p * n + i}", prompt_ids=tuple(prompt),
                 params=attrs.evolve(capped, seed=seed), stop=stop, api_key=api_key,
                 skip_special_tokens=req.skip_special_tokens is not False, grammar=grammar,
-                speculative=req.speculative is not False))
+                speculative=req.speculative is not False, tbt_s=tbt_s))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage)
+
+
+def tbt_target(tbt_ms: float | None) -> float | None:
+    """``tbt_ms`` in seconds, or a 400 naming it when it is no positive finite number."""
+    if tbt_ms is None:
+        return None
+    if not 0 < tbt_ms < math.inf:
+        raise ApiError(400, f"tbt_ms must be a positive number of milliseconds, got {tbt_ms}", param="tbt_ms")
+    return tbt_ms / 1000.0
 
 
 def single_job(request_id: str, prompt: Sequence[int], params: SamplingParams, limits: Limits, *, stream: bool,

@@ -107,6 +107,7 @@ class SamplingFields:
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     speculative: bool | None = None  # Spark's own: false opts the request out of speculative decoding
+    tbt_ms: float | None = None  # Spark's own: this stream's time-between-tokens target for SLAI, in ms
 
 
 @attrs.frozen(kw_only=True)

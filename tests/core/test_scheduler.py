@@ -14,12 +14,13 @@ import pytest
 from spark.core.core import Core
 from spark.core.events import Failed, TokenBatch
 from spark.core.policies import POLICIES, Limits, make_policy
-from spark.core.policies.slai import StepCostModel
+from spark.core.step_model import StepTimeModel
 from spark.core.scheduler import Scheduler, SeqState
 from spark.engine.sampling import SamplingParams
 from tests.actors.engine_double import FakeClock, SimulatedEngine
 
 A, B = 0.005, 0.00025  # step seconds = A + B * tokens
+R = 4 * B  # and per decode row, in the SLAI tests
 
 
 class WatchedScheduler(Scheduler):
@@ -274,13 +275,14 @@ def test_a_prompt_the_pool_can_never_hold_fails_alone():
 # -- slai ------------------------------------------------------------------------
 
 
-def _budget_at(now, *, policy="slai", observed=True, decoders=1):
+def _budget_at(now, *, policy="slai", observed=True, decoders=1, tbt=None):
     scheduler = make_scheduler(policy, max_prefill_tokens=2048, tbt_deadline=0.1)
     if observed:
-        for tokens in (8, 200, 1000):
-            scheduler.policy.observe_step(tokens, A + B * tokens)
+        for rows, tokens in ((1, 8), (4, 200), (2, 1000), (8, 0), (1, 500)):
+            scheduler.policy.observe_step(rows, tokens, A + R * rows + B * tokens)
     for i in range(decoders):
-        seq = SeqState(f"d{i}", 10, arrival=0.0, num_computed=9, last_token_time=0.0 + 0.01 * i)
+        seq = SeqState(f"d{i}", 10, arrival=0.0, num_computed=9, last_token_time=0.0 + 0.01 * i,
+                       tbt=tbt if i == 0 else None)
         scheduler.add(seq)
         scheduler.allocator.allocate(seq.request_id, 9)
         scheduler.waiting.remove(seq)
@@ -293,12 +295,29 @@ def _budget_at(now, *, policy="slai", observed=True, decoders=1):
 def test_slai_budget_shrinks_as_the_tightest_deadline_approaches():
     budgets = [_budget_at(now) for now in (0.0, 0.02, 0.05, 0.08, 0.099)]
     assert budgets == sorted(budgets, reverse=True) and len(set(budgets)) == len(budgets)
-    # the step must end by 90% of the slack: A + B * (1 decode + chunk) <= 0.9 * 0.1
-    assert abs(budgets[0] - ((0.09 - A) / B - 1)) <= 1
-    assert budgets[1] == pytest.approx((0.9 * 0.08 - A) / B - 1, abs=1)
+    # the step must end by 90% of the slack: A + R * 1 decode + B * chunk <= 0.9 * 0.1
+    assert budgets[0] == pytest.approx((0.09 - A - R) / B, abs=1)
+    assert budgets[1] == pytest.approx((0.9 * 0.08 - A - R) / B, abs=1)
     assert budgets[-1] == 16  # the floor: a prompt always moves
-    # the tightest deadline rules: a second stream 10 ms behind does not widen it
-    assert _budget_at(0.02, decoders=2) == _budget_at(0.02) - 1
+    # the tightest deadline rules: a second stream 10 ms behind does not widen it, its row costs R
+    assert _budget_at(0.02, decoders=2) == pytest.approx(_budget_at(0.02) - R / B, abs=1)
+
+
+def test_a_requests_own_tbt_target_sets_its_deadline():
+    assert _budget_at(0.0, tbt=0.05) == pytest.approx((0.9 * 0.05 - A - R) / B, abs=2)
+    assert _budget_at(0.0, tbt=0.05, decoders=2) < _budget_at(0.0, decoders=2)
+
+
+def test_a_submitted_tbt_target_reaches_the_policy():
+    core, _ = make("slai", tbt_deadline=0.2)
+    core.submit("tight", [7] * 4, SamplingParams(temperature=0.0, max_tokens=8), 0.0, tbt=0.05)
+    add(core, "plain", 4)
+    core.step()
+    seqs = {s.request_id: s for s in running(core)}
+    policy = core.scheduler.policy
+    assert policy.deadline(seqs["tight"]) == pytest.approx(seqs["tight"].last_token_time + 0.05)
+    assert policy.deadline(seqs["plain"]) == pytest.approx(seqs["plain"].last_token_time + 0.2)
+    assert policy.decode_order(list(seqs.values()))[0].request_id == "tight"
 
 
 def test_slai_uses_the_full_budget_until_the_cost_model_has_data():
@@ -306,40 +325,47 @@ def test_slai_uses_the_full_budget_until_the_cost_model_has_data():
     assert _budget_at(0.099, policy="fifo") == 2048
 
 
-# -- the cost model --------------------------------------------------------------
+# -- the step time model ---------------------------------------------------------
 
 
-def test_cost_model_recovers_a_and_b():
-    model = StepCostModel()
-    for tokens in (1, 8, 64, 512, 2048, 16):
-        model.observe(tokens, 0.007 + 0.0003 * tokens)
-    a, b = model.fit()
-    assert a == pytest.approx(0.007, rel=1e-9) and b == pytest.approx(0.0003, rel=1e-9)
-    assert model.tokens_within(0.007 + 0.0003 * 100) == pytest.approx(100, abs=1)
+def test_step_time_model_recovers_base_and_slopes():
+    model = StepTimeModel()
+    for rows, tokens in ((1, 0), (8, 64), (64, 512), (2, 2048), (16, 16), (32, 0)):
+        model.observe(rows, tokens, 0.007 + 0.0002 * rows + 0.0003 * tokens)
+    fit = model.fit()
+    assert fit.base == pytest.approx(0.007, rel=0.01)
+    assert fit.per_row == pytest.approx(0.0002, rel=0.01) and fit.per_token == pytest.approx(0.0003, rel=0.01)
+    assert fit.tokens_within(0.007 + 0.0002 * 10 + 0.0003 * 100, 10) == pytest.approx(100, abs=1)
 
 
-def test_cost_model_fits_noisy_steps_and_follows_the_recent_window():
+def test_step_time_model_fits_noisy_steps_and_follows_the_recent_window():
     rng = random.Random(0)
-    model = StepCostModel(window=64)
+    model = StepTimeModel(window=64)
     for _ in range(200):  # an old regime, then the window fills with a new one
-        tokens = rng.randint(1, 2000)
-        model.observe(tokens, 0.05 + 0.001 * tokens)
+        model.observe(rng.randint(0, 64), rng.randint(0, 2000), 0.05 + 0.001 * rng.random())
     for _ in range(64):
-        tokens = rng.randint(1, 2000)
-        model.observe(tokens, (A + B * tokens) * rng.uniform(0.97, 1.03))
-    a, b = model.fit()
-    assert b == pytest.approx(B, rel=0.05) and a == pytest.approx(A, abs=0.01)
+        rows, tokens = rng.randint(0, 64), rng.randint(0, 2000)
+        model.observe(rows, tokens, (A + R * rows + B * tokens) * rng.uniform(0.97, 1.03))
+    fit = model.fit()
+    assert fit.per_token == pytest.approx(B, rel=0.05) and fit.per_row == pytest.approx(R, rel=0.25)
+    assert fit.seconds(32, 1000) == pytest.approx(A + R * 32 + B * 1000, rel=0.03)
 
 
-def test_cost_model_says_nothing_until_the_data_can_tell():
-    model = StepCostModel()
-    assert model.fit() is None and model.tokens_within(1.0) is None
-    model.observe(8, 0.01)
+def test_step_time_model_says_nothing_until_the_data_can_tell():
+    model = StepTimeModel()
     assert model.fit() is None
-    model.observe(8, 0.02)  # same token count twice: b is unknown
+    for _ in range(4):
+        model.observe(8, 0, 0.01)  # the same step again and again: no slope to learn
     assert model.fit() is None
-    model.observe(100, 0.001)  # more tokens, less time: no positive slope
-    assert model.fit() is None
+    model = StepTimeModel()
+    for rows in (1, 2, 3, 4, 5):
+        model.observe(rows, 0, 0.01 + 0.001 * rows)  # decodes alone: a prompt token is priced as a row
+    fit = model.fit()
+    assert fit.per_row == pytest.approx(0.001) and fit.per_token == pytest.approx(0.001)
+    assert fit.base == pytest.approx(0.01)
+    model.observe(1, 100, 0.011 + 0.0001 * 100)  # then prompts teach their own price
+    model.observe(2, 300, 0.012 + 0.0001 * 300)
+    assert model.fit().per_token == pytest.approx(0.0001, rel=1e-3)
 
 
 # -- pipelined planning ------------------------------------------------------------

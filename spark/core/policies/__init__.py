@@ -24,7 +24,7 @@ class Limits:
     """What a policy is built from (``ServeConfig`` names them)."""
 
     max_prefill_tokens: int = 512  # prompt tokens per step, at most
-    tbt_deadline: float = 0.2  # seconds between two tokens of a stream (SLAI's target)
+    tbt_deadline: float = 0.2  # seconds between two tokens of a stream (SLAI's target, unless a request sets its own)
     min_prefill_chunk: int = 16  # SLAI never cuts a prompt chunk below this
 
 
@@ -35,8 +35,8 @@ class Policy(Protocol):
     def prefill_budget(self, running: Sequence[SeqState], now: float, num_decodes: int) -> int:
         """Prompt tokens this step may compute besides its ``num_decodes`` decodes."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of ``num_tokens`` tokens took ``seconds``."""
+    def observe_step(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        """A step of ``decode_rows`` decodes (verifications included) and ``prefill_tokens`` took ``seconds``."""
 
 
 POLICIES: dict[str, type] = {"fifo": Fifo, "slai": Slai}

@@ -13,5 +13,5 @@ class Fifo:
     def prefill_budget(self, running, now: float, num_decodes: int) -> int:
         return self.max_prefill_tokens
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         pass

@@ -1,0 +1,84 @@
+"""How long an engine step takes, learnt online from the steps that ran.
+
+A step's time grows with its decode rows (each reads its context's K/V and adds a row to every
+matmul) and with its prefill tokens (compute), on top of a fixed part (the weights read once,
+launches, the host). ``StepTimeModel`` fits ``seconds ~ base + per_row * rows + per_token * tokens``
+by least squares over the latest steps; while the steps cannot tell the two slopes apart (decodes
+alone), a prompt token is priced as a decode row. SLAI reads it to size a step's
+prefill so that running streams keep their time between tokens (``policies/slai.py``); the ingress
+reads it to predict a new request's time to first token (``actors/admission.py``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+
+@attrs.frozen
+class StepTime:
+    """``seconds = base + per_row * decode_rows + per_token * prefill_tokens``."""
+
+    base: float
+    per_row: float
+    per_token: float
+
+    def seconds(self, decode_rows: int, prefill_tokens: int) -> float:
+        return self.base + self.per_row * decode_rows + self.per_token * prefill_tokens
+
+    def tokens_within(self, seconds: float, decode_rows: int) -> int:
+        """The most prefill tokens a step beside ``decode_rows`` decodes may hold to end within ``seconds``."""
+        room = seconds - self.base - self.per_row * decode_rows
+        return int(room / self.per_token) if self.per_token > 0 else 1 << 30
+
+
+class StepTimeModel:
+    """Least squares over the latest ``window`` steps (see the module's docstring)."""
+
+    def __init__(self, window: int = 256, ridge: float = 1e-6):
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._ridge = ridge
+        self._fit: StepTime | None = None
+        self._stale = False
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        if seconds > 0 and (decode_rows or prefill_tokens):
+            self._steps.append((decode_rows, prefill_tokens, seconds))
+            self._stale = True
+
+    def fit(self) -> StepTime | None:
+        """The fitted model, or None before 3 steps or while every step computed as many tokens."""
+        if self._stale:
+            self._fit, self._stale = self._solve(), False
+        return self._fit
+
+    def _solve(self) -> StepTime | None:
+        n = len(self._steps)
+        if n < 3:
+            return None
+        mr = sum(r for r, _, _ in self._steps) / n
+        mt = sum(t for _, t, _ in self._steps) / n
+        ms = sum(s for _, _, s in self._steps) / n
+        srr = sum((r - mr) ** 2 for r, _, _ in self._steps)
+        stt = sum((t - mt) ** 2 for _, t, _ in self._steps)
+        srt = sum((r - mr) * (t - mt) for r, t, _ in self._steps)
+        srs = sum((r - mr) * (s - ms) for r, _, s in self._steps)
+        sts = sum((t - mt) * (s - ms) for _, t, s in self._steps)
+        if srr > 0 and stt > 0:  # centred normal equations of the two slopes (the base is the intercept)
+            a, d = srr * (1 + self._ridge), stt * (1 + self._ridge)
+            det = a * d - srt * srt
+            if det > 0:
+                per_row, per_token = (srs * d - sts * srt) / det, (sts * a - srs * srt) / det
+                if per_token > 0 and per_row >= 0:
+                    return StepTime(max(0.0, ms - per_row * mr - per_token * mt), per_row, per_token)
+        # The steps cannot tell rows from tokens yet (decodes alone, say): one slope for every token a
+        # step computes, a decode row's or a prompt's, as if a prompt token cost what a decode does.
+        sxx = srr + 2 * srt + stt
+        if sxx <= 0 or srs + sts <= 0:
+            return None
+        slope = (srs + sts) / sxx
+        return StepTime(max(0.0, ms - slope * (mr + mt)), slope, slope)
