@@ -26,12 +26,11 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
-from offline_decode import copy_bandwidth  # a sibling: benchmarks/ is the script's directory
+from offline_decode import copy_bandwidth, git_commit  # a sibling: benchmarks/ is the script's directory
 
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md)
 MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
@@ -232,7 +231,7 @@ def main() -> int:
     if not config.num_experts:
         raise SystemExit(f"{args.preset} is not an MoE preset")
     doc = {"bench": "moe_decode", "preset": args.preset, "device": _device_name(device), "dtype": str(dtype),
-           "date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(["python"] + sys.argv),
+           "date": datetime.date.today().isoformat(), "commit": git_commit(), "command": " ".join(["python"] + sys.argv),
            "prompt": args.prompt, "new": args.new, "bandwidth_assumed": BANDWIDTH, "matmul_assumed": MATMUL,
            "results": []}
     log(f"loaded in {time.perf_counter() - t0:.1f}s: {sum(p.numel() for p in engine.model.parameters()) / 1e9:.2f}B "
@@ -309,13 +308,6 @@ def _write(args, doc: dict) -> str:
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     return out
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 if __name__ == "__main__":

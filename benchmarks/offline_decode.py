@@ -193,7 +193,7 @@ def main() -> int:
 def _write(args, results: list) -> None:
     doc = {
         "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-        "commit": args.commit or _commit(), "command": " ".join(["python"] + sys.argv),
+        "commit": args.commit or git_commit(), "command": " ".join(["python"] + sys.argv),
         "copy_tb_s": args.copy_tb_s, "results": results,
     }
     out = args.out or f"benchmarks/results/{doc['date']}-{doc['gpu'].split()[-1].lower()}.json"
@@ -201,7 +201,8 @@ def _write(args, results: list) -> None:
         json.dump(doc, f, indent=1)
 
 
-def _commit() -> str:
+def git_commit() -> str:
+    """HEAD's hash, for a results file ("unknown" outside a checkout)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:

@@ -19,11 +19,11 @@ import sys
 import time
 
 from spark.core.core import Core
-from spark.core.events import Failed, TokenBatch
 from spark.core.policies import Limits, make_policy
 from spark.core.scheduler import Scheduler
 from spark.core.speculation import SpecConfig
 from spark.engine.engine import Engine
+from spark.engine.offline import drive
 from spark.engine.sampling import SamplingParams
 
 TEXT = "The scheduler plans each step, the engine computes it, and the streamer sends the text back. "
@@ -34,17 +34,10 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, spec: SpecCon
                                   max_batch_size=16), speculation=spec)
     for i, ids in enumerate(prompts):
         core.submit(i, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    out: list[list[int]] = [[] for _ in prompts]
-    counts = [0, 0, 0, 0]
     t0 = time.perf_counter()
-    while core.busy:
-        for event in core.step():
-            if isinstance(event, TokenBatch):
-                for o in event.outputs:
-                    out[o.seq_id].append(o.token_id)
-            elif isinstance(event, Failed):
-                raise RuntimeError(f"prompt {event.request_id}: {event.error}")
-        counts = [a + b for a, b in zip(counts, core.metrics().speculation or (0, 0, 0, 0))]
+    out = [[o.token_id for o in outs] for outs in drive(core, range(len(prompts)))]
+    c = core.speculator.counts if core.speculator is not None else None
+    counts = (c.drafted, c.accepted, c.steps, c.tokens) if c is not None else (0, 0, 0, 0)
     seconds = time.perf_counter() - t0
     drafted, accepted, steps, emitted = counts
     return {"out": out, "seconds": round(seconds, 3), "drafted": drafted, "accepted": accepted,

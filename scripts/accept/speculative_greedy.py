@@ -52,27 +52,20 @@ def prompts(n: int) -> list[str]:
 
 def run(engine, prompts_ids, params, spec, batch: int) -> tuple[list[list[int]], tuple[int, ...], float]:
     from spark.core.core import Core
-    from spark.core.events import Failed, TokenBatch
     from spark.core.policies import Limits, make_policy
     from spark.core.scheduler import Scheduler
+    from spark.engine.offline import drive
 
     scheduler = Scheduler(engine.new_page_allocator(), make_policy("fifo", Limits(max_prefill_tokens=512)),
                           max_batch_size=batch)
     core = Core(engine, scheduler, speculation=spec)
     for i, ids in enumerate(prompts_ids):
         core.submit(i, ids, params)
-    out: list[list[int]] = [[] for _ in prompts_ids]
-    counts = [0, 0, 0, 0]
     t0 = time.perf_counter()
-    while core.busy:
-        for event in core.step():
-            if isinstance(event, TokenBatch):
-                for o in event.outputs:
-                    out[o.seq_id].append(o.token_id)
-            elif isinstance(event, Failed):
-                raise RuntimeError(f"prompt {event.request_id}: {event.error}")
-        counts = [a + b for a, b in zip(counts, core.metrics().speculation or (0, 0, 0, 0))]
-    return out, tuple(counts), time.perf_counter() - t0
+    out = [[o.token_id for o in outs] for outs in drive(core, range(len(prompts_ids)))]
+    c = core.speculator.counts if core.speculator is not None else None
+    counts = (c.drafted, c.accepted, c.steps, c.tokens) if c is not None else (0, 0, 0, 0)
+    return out, counts, time.perf_counter() - t0
 
 
 def main() -> int:

@@ -34,11 +34,18 @@ class StepTime:
 
 
 class StepTimeModel:
-    """Least squares over the latest ``window`` steps (see the module's docstring)."""
+    """Least squares over the latest ``window`` steps (see the module's docstring).
+
+    The sums the fit needs are kept as steps come and go, so that a fit costs the same whatever the
+    window: SLAI asks for one every step."""
+
+    _RESUM = 4096  # steps between exact recomputations of the sums (float drift of adding and removing)
 
     def __init__(self, window: int = 256, ridge: float = 1e-6):
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._ridge = ridge
+        self._sums = [0.0] * 8  # r, t, s, rr, tt, rt, rs, ts
+        self._since_resum = 0
         self._fit: StepTime | None = None
         self._stale = False
 
@@ -46,9 +53,23 @@ class StepTimeModel:
         return len(self._steps)
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        if seconds > 0 and (decode_rows or prefill_tokens):
-            self._steps.append((decode_rows, prefill_tokens, seconds))
-            self._stale = True
+        if seconds <= 0 or not (decode_rows or prefill_tokens):
+            return
+        if len(self._steps) == self._steps.maxlen:
+            self._add(*self._steps[0], sign=-1.0)
+        step = (decode_rows, prefill_tokens, seconds)
+        self._steps.append(step)
+        self._add(*step, sign=1.0)
+        self._since_resum += 1
+        if self._since_resum >= self._RESUM:
+            self._sums, self._since_resum = [0.0] * 8, 0
+            for old in self._steps:
+                self._add(*old, sign=1.0)
+        self._stale = True
+
+    def _add(self, r: int, t: int, s: float, *, sign: float) -> None:
+        for i, v in enumerate((r, t, s, r * r, t * t, r * t, r * s, t * s)):
+            self._sums[i] += sign * v
 
     def fit(self) -> StepTime | None:
         """The fitted model, or None before 3 steps or while every step computed as many tokens."""
@@ -60,15 +81,12 @@ class StepTimeModel:
         n = len(self._steps)
         if n < 3:
             return None
-        mr = sum(r for r, _, _ in self._steps) / n
-        mt = sum(t for _, t, _ in self._steps) / n
-        ms = sum(s for _, _, s in self._steps) / n
-        srr = sum((r - mr) ** 2 for r, _, _ in self._steps)
-        stt = sum((t - mt) ** 2 for _, t, _ in self._steps)
-        srt = sum((r - mr) * (t - mt) for r, t, _ in self._steps)
-        srs = sum((r - mr) * (s - ms) for r, _, s in self._steps)
-        sts = sum((t - mt) * (s - ms) for _, t, s in self._steps)
-        if srr > 0 and stt > 0:  # centred normal equations of the two slopes (the base is the intercept)
+        r, t, s, rr, tt, rt, rs, ts = self._sums
+        mr, mt, ms = r / n, t / n, s / n
+        # Centred second moments; a tiny negative from rounding is a zero.
+        srr, stt = max(0.0, rr - n * mr * mr), max(0.0, tt - n * mt * mt)
+        srt, srs, sts = rt - n * mr * mt, rs - n * mr * ms, ts - n * mt * ms
+        if srr > 1e-9 and stt > 1e-9:  # normal equations of the two slopes (the base is the intercept)
             a, d = srr * (1 + self._ridge), stt * (1 + self._ridge)
             det = a * d - srt * srt
             if det > 0:
@@ -78,7 +96,7 @@ class StepTimeModel:
         # The steps cannot tell rows from tokens yet (decodes alone, say): one slope for every token a
         # step computes, a decode row's or a prompt's, as if a prompt token cost what a decode does.
         sxx = srr + 2 * srt + stt
-        if sxx <= 0 or srs + sts <= 0:
+        if sxx <= 1e-9 or srs + sts <= 0:
             return None
         slope = (srs + sts) / sxx
         return StepTime(max(0.0, ms - slope * (mr + mt)), slope, slope)

@@ -52,21 +52,38 @@ def generate(
     scheduler = Scheduler(engine.new_page_allocator(), make_policy("fifo", limits), max_batch_size=max_batch_size)
     core = Core(engine, scheduler, speculation=speculation)
     base = object()  # private ids: never collide with a caller's sequences
-    for i, prompt in enumerate(prompts):
-        core.submit((base, i), prompt, params[i])
-    results: list[list[TokenOutput]] = [[] for _ in prompts]
+    ids = [(base, i) for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        core.submit(request_id, prompt, p)
+    try:
+        return drive(core, ids, on_token)
+    finally:
+        for request_id in ids:
+            engine.remove_sequence(request_id)
+
+
+def drive(core: Core, request_ids: Seq, on_token: Callable[[int, TokenOutput], None] | None = None
+          ) -> list[list[TokenOutput]]:
+    """Step ``core`` until it is idle; the requests ``request_ids`` were submitted to it.
+
+    Returns:
+        Per request, in ``request_ids``' order, the ``TokenOutput`` of every generated token.
+
+    Raises:
+        RuntimeError: a request failed (it cannot fit in the KV cache, or the engine refused it).
+    """
+    index = {request_id: i for i, request_id in enumerate(request_ids)}
+    results: list[list[TokenOutput]] = [[] for _ in request_ids]
     try:
         while core.busy:
             for event in core.step():
                 if isinstance(event, TokenBatch):
                     for out in event.outputs:
-                        results[out.seq_id[1]].append(out)
+                        results[index[out.seq_id]].append(out)
                         if on_token is not None:
-                            on_token(out.seq_id[1], out)
+                            on_token(index[out.seq_id], out)
                 elif isinstance(event, Failed):
-                    raise RuntimeError(f"prompt {event.request_id[1]}: {event.error}")
+                    raise RuntimeError(f"prompt {index[event.request_id]}: {event.error}")
     finally:
         core.drain()
-        for i in range(len(prompts)):
-            engine.remove_sequence((base, i))
     return results
