@@ -124,25 +124,14 @@ def test_packed_cpu_formats_leave_the_experts_dense(preset):
 def _write_moe_gguf(path, config, weights: dict[str, torch.Tensor]):
     """A GGUF as llama.cpp writes an MoE: experts stacked [E, rows, cols] under ffn_*_exps, the router
     ffn_gate_inp, Mixtral as arch "llama" with an expert count (q/k rows permuted)."""
-    import gguf
     import numpy as np
 
-    from tests.engine.test_weights import gguf_name, permute
+    from tests.engine.test_weights import gguf_name, gguf_writer, permute
 
     arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}[config.arch]
     module, *projs = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
                       "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}[config.arch]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(config.num_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_heads)
-    w.add_head_count_kv(config.num_kv_heads)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
-    w.add_rope_freq_base(config.rope_theta)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w = gguf_writer(path, config, arch)
     w.add_expert_count(config.num_experts)
     w.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen3moe":

@@ -49,14 +49,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return {n: rng.standard_normal(s).astype(np.float32) * 0.1 for n, s in expected_weight_shapes(config).items()}
 
 
-def write_gguf(path, config: ModelConfig, weights: dict[str, np.ndarray], *, arch: str | None = None,
-               qtype=lambda name: Q.F32, rope_freqs: np.ndarray | None = None, vocab_key: bool = False,
-               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] = {}):
-    """Write a GGUF as llama.cpp would: metadata, q/k rows permuted for llama, chosen tensor types.
-
-    ``raw`` holds tensors already in GGUF byte form (stored as is, after ``weights``).
-    """
-    arch = arch or {"mistral": "llama"}.get(config.arch, config.arch)
+def gguf_writer(path, config: ModelConfig, arch: str) -> gguf.GGUFWriter:
+    """A writer to ``path`` holding ``config``'s shape keys as llama.cpp names them (head sizes only
+    where they are not hidden / heads)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -69,6 +64,18 @@ def write_gguf(path, config: ModelConfig, weights: dict[str, np.ndarray], *, arc
         w.add_value_length(config.head_dim)
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return w
+
+
+def write_gguf(path, config: ModelConfig, weights: dict[str, np.ndarray], *, arch: str | None = None,
+               qtype=lambda name: Q.F32, rope_freqs: np.ndarray | None = None, vocab_key: bool = False,
+               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] = {}):
+    """Write a GGUF as llama.cpp would: metadata, q/k rows permuted for llama, chosen tensor types.
+
+    ``raw`` holds tensors already in GGUF byte form (stored as is, after ``weights``).
+    """
+    arch = arch or {"mistral": "llama"}.get(config.arch, config.arch)
+    w = gguf_writer(path, config, arch)
     if vocab_key:
         w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(1)
