@@ -5,10 +5,12 @@ request); tok/s with and without speculation, and the acceptance rate.
     python benchmarks/spec_code_edit.py [--max-tokens 1024] [--repeat 3] [--spec-tokens 4]
         [--spec-ngram 4] [--weight-format int4|dense] [--open-block] [--out FILE]
 
-Each mode runs in its own ``spark serve`` subprocess (the same flags but ``--speculative ngram``):
-one short warm-up, then ``--repeat`` greedy streamed completions of the same prompt (token ids,
-through /v1/completions: ``--open-block`` ends the prompt with the answer's opening code fence, as
-the 135M default model otherwise describes the file rather than copying it). Per run: TTFT, decode
+Each mode runs in its own ``spark serve`` subprocess (the same flags but ``--speculative ngram``), both
+up at once: one short warm-up each, then ``--repeat`` rounds in which each streams the same greedy
+completion of the same prompt, the two taking turns to go first (the CPU's speed moves by the minute:
+a pair of runs meets the same conditions). The prompt goes as token ids through /v1/completions;
+``--open-block`` ends it with the answer's opening code fence, as the 135M default model otherwise
+describes the file rather than copying it. Per run: TTFT, decode
 tok/s (tokens after the first over the time after the first), end-to-end tok/s; for speculation,
 /metrics' drafted and accepted tokens and tokens per step of the run. The median run of each mode
 and their ratio are printed last, as a table; everything goes to JSON under benchmarks/results/.
@@ -70,41 +72,63 @@ def stream(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
             "e2e_tok_s": round(tokens / (end - t0), 2), "text": "".join(text)}
 
 
-def run_mode(args, prompt: list[int], speculative: bool) -> dict:
-    port = free_port()
-    cmd = [sys.executable, "-m", "spark.cli", "serve", "--model", "default", "--port", str(port),
-           "--max-model-len", str(args.max_model_len)]
-    if args.weight_format:
-        cmd += ["--weight-format", args.weight_format]
-    if speculative:
-        cmd += ["--speculative", "ngram", "--spec-tokens", str(args.spec_tokens), "--spec-ngram", str(args.spec_ngram)]
-    env = {**os.environ, "SPARK_STATE_PATH": ":memory:", "SPARK_ACTIVITY_LOG_PATH": "", "SPARK_USAGE_PATH": ""}
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server)
+class Mode:
+    """A ``spark serve`` with or without speculation, and the runs streamed from it."""
+
+    def __init__(self, args, speculative: bool):
+        self.speculative, self.runs = speculative, []
+        port = free_port()
+        cmd = [sys.executable, "-m", "spark.cli", "serve", "--model", "default", "--port", str(port),
+               "--max-model-len", str(args.max_model_len)]
+        if args.weight_format:
+            cmd += ["--weight-format", args.weight_format]
+        if speculative:
+            cmd += ["--speculative", "ngram", "--spec-tokens", str(args.spec_tokens), "--spec-ngram", str(args.spec_ngram)]
+        self.command = " ".join(cmd[1:])
+        env = {**os.environ, "SPARK_STATE_PATH": ":memory:", "SPARK_ACTIVITY_LOG_PATH": "", "SPARK_USAGE_PATH": ""}
+        self.server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self, prompt: list[int]) -> None:
         import httpx
 
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        stream(url, model, prompt[-64:], 8)  # warm-up
-        runs = []
-        for _ in range(args.repeat):
-            before = metric_values(url, "spark_spec_")
-            run = stream(url, model, prompt, args.max_tokens)
-            after = metric_values(url, "spark_spec_")
-            spec = {k.removesuffix("_total"): after.get(k, 0) - before.get(k, 0) for k in after if k.endswith("_total")}
-            if speculative:
-                drafted, accepted = spec.get("spark_spec_drafted_tokens", 0), spec.get("spark_spec_accepted_tokens", 0)
-                steps, emitted = spec.get("spark_spec_steps", 0), spec.get("spark_spec_emitted_tokens", 0)
-                run |= {"drafted": int(drafted), "accepted": int(accepted),
-                        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-                        "tokens_per_step": round(emitted / steps, 3) if steps else 0.0}
-            runs.append(run)
-            print(f"{'spec ' if speculative else 'plain'}: " + json.dumps({k: v for k, v in run.items() if k != "text"}),
-                  file=sys.stderr)
-        return {"command": " ".join(cmd[1:]), "runs": runs}
+        wait_healthy(self.url, self.server)
+        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+        stream(self.url, self.model, prompt[-64:], 8)  # warm-up
+
+    def run(self, prompt: list[int], max_tokens: int) -> None:
+        before = metric_values(self.url, "spark_spec_")
+        run = stream(self.url, self.model, prompt, max_tokens)
+        after = metric_values(self.url, "spark_spec_")
+        spec = {k.removesuffix("_total"): after.get(k, 0) - before.get(k, 0) for k in after if k.endswith("_total")}
+        if self.speculative:
+            drafted, accepted = spec.get("spark_spec_drafted_tokens", 0), spec.get("spark_spec_accepted_tokens", 0)
+            steps, emitted = spec.get("spark_spec_steps", 0), spec.get("spark_spec_emitted_tokens", 0)
+            run |= {"drafted": int(drafted), "accepted": int(accepted),
+                    "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+                    "tokens_per_step": round(emitted / steps, 3) if steps else 0.0}
+        self.runs.append(run)
+        print(f"{'spec ' if self.speculative else 'plain'}: " + json.dumps({k: v for k, v in run.items() if k != "text"}),
+              file=sys.stderr)
+
+    def result(self) -> dict:
+        return {"command": self.command, "runs": self.runs}
+
+
+def run_modes(args, prompt: list[int]) -> tuple[dict, dict]:
+    """Both servers up at once, their runs alternating (which goes first too): on a machine whose speed
+    moves by the minute, each pair of runs meets the same conditions."""
+    plain, spec = Mode(args, speculative=False), Mode(args, speculative=True)
+    try:
+        plain.start(prompt)
+        spec.start(prompt)
+        for i in range(args.repeat):
+            for mode in ((plain, spec) if i % 2 == 0 else (spec, plain)):
+                mode.run(prompt, args.max_tokens)
+        return plain.result(), spec.result()
     finally:
-        stop_server(server)
+        stop_server(plain.server)
+        stop_server(spec.server)
 
 
 def first_difference(a: str, b: str) -> int | None:
@@ -141,8 +165,7 @@ def main() -> int:
     prompt = tokenizer.encode_chat([{"role": "user", "content": request}])
     if args.open_block:
         prompt += tokenizer.encode("```python\n")
-    plain = run_mode(args, prompt, speculative=False)
-    spec = run_mode(args, prompt, speculative=True)
+    plain, spec = run_modes(args, prompt)
     p, s = median_run(plain), median_run(spec)
     date = datetime.date.today().isoformat()
     result = {"bench": "spec_code_edit", "date": date, "device": "cpu", "model": "default",
