@@ -30,7 +30,7 @@ import sys
 import time
 
 import torch
-from offline_decode import copy_bandwidth, git_commit  # a sibling: benchmarks/ is the script's directory
+from offline_decode import copy_bandwidth, decode_once, git_commit, sync  # a sibling: benchmarks/ is the script's directory
 
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md)
 MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
@@ -38,11 +38,6 @@ MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
 
 def log(msg: str) -> None:
     print(f"[moe_decode {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class ExpertCounter:
@@ -114,50 +109,6 @@ def step_roofline(config, model, batch: int, experts_per_layer: float, context: 
             "bound": "bytes" if step_bytes / BANDWIDTH >= step_flops / MATMUL else "flops"}
 
 
-def spark_decode(engine, batch: int, prompt: int, new: int, seed: int) -> tuple[float, float]:
-    """(decode tokens/s, ms per step) of ``batch`` sequences over ``new`` tokens, prefill not timed."""
-    from spark.core.plan import Chunk, StepPlan
-    from spark.engine.sampling import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    gen = torch.Generator().manual_seed(seed)
-    alloc = engine.new_page_allocator()
-    ids = [("bench", seed, i) for i in range(batch)]
-    for sid in ids:
-        engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (prompt,), generator=gen).tolist(), params)
-    per_step = max(1, 8192 // prompt)
-    for start in range(0, batch, per_step):
-        group = ids[start:start + per_step]
-        engine.step(StepPlan(tuple(Chunk(s, prompt, alloc.allocate(s, prompt)) for s in group)))
-    # step() already returned the prefill's first tokens: the rest are decode steps
-    cuda = engine.device.type == "cuda"
-    sync(engine.device)
-    if cuda:
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-    t0 = time.perf_counter()
-    tokens, launched, steps = 0, 0, 0
-    live = list(ids)
-    while live or launched:
-        # Step N+1 is launched before step N's tokens are read back, as the server does.
-        if live and launched < 2:
-            chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
-            engine.launch(StepPlan(chunks))
-            launched, steps = launched + 1, steps + 1
-            if launched < 2:
-                continue
-        outs = engine.collect()
-        launched -= 1
-        tokens += len(outs)
-        ended = {o.seq_id for o in outs if o.finish_reason is not None}
-        live = [s for s in live if s not in ended]
-    if cuda:
-        end_ev.record()
-        end_ev.synchronize()
-        seconds = start_ev.elapsed_time(end_ev) / 1e3
-    else:
-        seconds = time.perf_counter() - t0
-    return tokens / seconds, seconds / steps * 1e3
 
 
 def hf_config(config):
@@ -248,7 +199,7 @@ def main() -> int:
     for batch in batches:
         counter = ExpertCounter(engine.model, batch)
         log(f"batch {batch}: eager warm-up, counting experts ...")
-        rate, _ = spark_decode(engine, batch, args.prompt, args.new, seed=1000 + batch)
+        rate, _ = decode_once(engine, batch, args.prompt, args.new, seed=1000 + batch)
         counter.remove()
         experts[batch] = counter.mean()
         log(f"batch {batch}: eager {rate:.1f} tok/s; {experts[batch]:.1f} distinct experts per layer and step "
@@ -262,7 +213,7 @@ def main() -> int:
     for batch in batches:
         runs = []
         for rep in range(args.reps + 1):  # the first is a warm-up (graphs replayed once, allocator settled)
-            tok_s, step_ms = spark_decode(engine, batch, args.prompt, args.new, seed=rep)
+            tok_s, step_ms = decode_once(engine, batch, args.prompt, args.new, seed=rep)
             if rep:
                 runs.append((tok_s, step_ms))
         tok_s = statistics.median(r[0] for r in runs)

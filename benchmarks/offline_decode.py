@@ -61,46 +61,62 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(seconds)
 
 
-def spark_decode(engine, batch: int, reps: int) -> float:
-    """Median decode tokens/s of ``batch`` sequences over NEW tokens (prefill not timed)."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_once(engine, batch: int, prompt: int, new: int, seed: int) -> tuple[float, float]:
+    """(decode tokens/s, ms per step) of ``batch`` random prompts of ``prompt`` tokens decoding ``new`` tokens
+    each, launched two steps deep as the server does; the prefill is not timed (CUDA events on a GPU)."""
     from spark.core.plan import Chunk, StepPlan
     from spark.engine.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch)
-    rates = []
-    for rep in range(reps + 1):  # the first is the warm-up
-        alloc = engine.new_page_allocator()
-        ids = [("bench", rep, i) for i in range(batch)]
-        for sid in ids:
-            engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (PROMPT,), generator=gen).tolist(), params)
-        # prefill in chunks of at most 8192 tokens
-        per_step = max(1, 8192 // PROMPT)
-        for start in range(0, batch, per_step):
-            group = ids[start:start + per_step]
-            engine.step(StepPlan(tuple(Chunk(s, PROMPT, alloc.allocate(s, PROMPT)) for s in group)))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        tokens, launched = 0, 0
-        live = list(ids)
-        while live or launched:
-            # Step N+1 is launched before step N's tokens are read back, as the server does.
-            if live and launched < 2:
-                chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
-                engine.launch(StepPlan(chunks))
-                launched += 1
-                if launched < 2:
-                    continue
-            outs = engine.collect()
-            launched -= 1
-            tokens += len(outs)
-            ended = {o.seq_id for o in outs if o.finish_reason is not None}
-            live = [s for s in live if s not in ended]
-        torch.cuda.synchronize()
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    alloc = engine.new_page_allocator()
+    ids = [("bench", seed, i) for i in range(batch)]
+    for sid in ids:
+        engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (prompt,), generator=gen).tolist(), params)
+    per_step = max(1, 8192 // prompt)
+    for start in range(0, batch, per_step):
+        group = ids[start:start + per_step]
+        engine.step(StepPlan(tuple(Chunk(s, prompt, alloc.allocate(s, prompt)) for s in group)))
+    # step() already returned the prefill's first tokens: the rest are decode steps
+    cuda = engine.device.type == "cuda"
+    sync(engine.device)
+    if cuda:
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_ev.record()
+    t0 = time.perf_counter()
+    tokens, launched, steps = 0, 0, 0
+    live = list(ids)
+    while live or launched:
+        # Step N+1 is launched before step N's tokens are read back, as the server does.
+        if live and launched < 2:
+            chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
+            engine.launch(StepPlan(chunks))
+            launched, steps = launched + 1, steps + 1
+            if launched < 2:
+                continue
+        outs = engine.collect()
+        launched -= 1
+        tokens += len(outs)
+        ended = {o.seq_id for o in outs if o.finish_reason is not None}
+        live = [s for s in live if s not in ended]
+    if cuda:
+        end_ev.record()
+        end_ev.synchronize()
+        seconds = start_ev.elapsed_time(end_ev) / 1e3
+    else:
         seconds = time.perf_counter() - t0
-        if rep:
-            rates.append(tokens / seconds)
-    return statistics.median(rates)
+    return tokens / seconds, seconds / steps * 1e3
+
+
+def spark_decode(engine, batch: int, reps: int) -> float:
+    """Median decode tokens/s of ``batch`` sequences over NEW tokens (prefill not timed), after a warm-up run."""
+    rates = [decode_once(engine, batch, PROMPT, NEW, seed=1000 * batch + rep)[0] for rep in range(reps + 1)]
+    return statistics.median(rates[1:])
 
 
 def hf_decode(preset_config, batch: int, new_tokens: int) -> float | None:
