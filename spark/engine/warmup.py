@@ -68,7 +68,6 @@ class _Driver:
     def __init__(self, engine, progress: LoadProgress):
         self.engine, self.progress = engine, progress
         self.pages = engine.new_page_allocator()
-        self.seqs: list[Hashable] = []
         self._next = 0
 
     def add(self, length: int, params: SamplingParams = _GREEDY) -> Hashable:
@@ -76,7 +75,6 @@ class _Driver:
         self._next += 1
         vocab = self.engine.vocab_size
         self.engine.add_sequence(seq_id, [(7 + 31 * i + self._next) % vocab for i in range(length)], params)
-        self.seqs.append(seq_id)
         return seq_id
 
     def step(self, sizes: dict[Hashable, int]) -> None:
@@ -98,10 +96,9 @@ class _Driver:
         self.step({s: self.engine.num_uncomputed(s) for s in seq_ids})
 
     def drop(self, seq_ids) -> None:
-        for seq_id in list(seq_ids):
+        for seq_id in seq_ids:
             self.engine.remove_sequence(seq_id)
             self.pages.free(seq_id)
-            self.seqs.remove(seq_id)
 
 
 def _tokens_for_pages(engine, reserve: int) -> int:
