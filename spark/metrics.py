@@ -39,10 +39,10 @@ class QueueWaits:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, ttft: TtftPredictor | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.queue_waits = QueueWaits()  # not exported: the ingress's Retry-After
-        self.ttft = TtftPredictor()  # not exported: the ingress's admission (open_system configures it)
+        self.ttft = ttft or TtftPredictor()  # not exported: the ingress's admission
         self.ttft_predicted = Histogram(
             "spark_ttft_predicted_seconds", "Time to first token predicted at admission", buckets=_LATENCY_BUCKETS,
             registry=r)

@@ -110,9 +110,8 @@ async def open_system(
             (``spark.engine.Engine``, or a test's double): its core runs in a thread.
         config: limits and policies (``ServeConfig``).
     """
-    metrics = Metrics()
-    metrics.ttft = TtftPredictor(AdmissionLimits(config.scheduler, config.max_prefill_tokens,
-                                                 config.tbt_deadline_ms / 1000.0, ttft_bound_s=config.ttft_bound_s))
+    metrics = Metrics(TtftPredictor(AdmissionLimits(config.scheduler, config.max_prefill_tokens,
+                                                    config.tbt_deadline_ms / 1000.0, ttft_bound_s=config.ttft_bound_s)))
     transport: Transport = engine.transport() if isinstance(engine, EngineProcess) else ThreadTransport(engine)
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
