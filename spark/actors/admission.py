@@ -20,8 +20,8 @@ import math
 
 import attrs
 
+from spark.core.policies.slai import prefill_within
 from spark.core.step_model import StepTimeModel
-from spark.core.policies.slai import MARGIN
 
 
 @attrs.frozen
@@ -58,8 +58,7 @@ class TtftPredictor:
         limits = self.limits
         budget = limits.max_prefill_tokens
         if limits.policy == "slai" and self.running:
-            budget = max(limits.min_prefill_chunk,
-                         min(budget, fit.tokens_within(MARGIN * limits.tbt_deadline, self.running)))
+            budget = prefill_within(fit, limits.tbt_deadline, self.running, budget, limits.min_prefill_chunk)
         ahead = sum(self._queued.values()) + prompt_tokens
         steps = math.ceil(ahead / budget)
         return steps * fit.seconds(self.running, min(budget, ahead))

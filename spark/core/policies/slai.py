@@ -16,6 +16,13 @@ from spark.core.step_model import StepTimeModel
 MARGIN = 0.9  # of the slack a step may use: the rest is the step's own host overhead and noise
 
 
+def prefill_within(fit, slack: float, decode_rows: int, max_prefill_tokens: int, min_prefill_chunk: int) -> int:
+    """The prompt tokens a step beside ``decode_rows`` decodes may take to end within ``slack`` seconds,
+    as the step time ``fit`` (``StepTime``) says: never below ``min_prefill_chunk``, so prompts move."""
+    fits = fit.tokens_within(MARGIN * slack, decode_rows)
+    return max(min_prefill_chunk, min(max_prefill_tokens, fits))
+
+
 class Slai:
     def __init__(self, limits):
         self.max_prefill_tokens = limits.max_prefill_tokens
@@ -35,8 +42,7 @@ class Slai:
         if not running or fit is None:
             return self.max_prefill_tokens
         slack = min(self.deadline(s) for s in running) - now
-        fits = fit.tokens_within(MARGIN * slack, num_decodes)
-        return max(self.min_prefill_chunk, min(self.max_prefill_tokens, fits))
+        return prefill_within(fit, slack, num_decodes, self.max_prefill_tokens, self.min_prefill_chunk)
 
     def observe_step(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         self.step_time.observe(decode_rows, prefill_tokens, seconds)
