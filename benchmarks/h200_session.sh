@@ -1,0 +1,43 @@
+#!/bin/bash
+# One device call's worth of H200 measurements, the steps named in order, each under its own time limit:
+#
+#   bash benchmarks/h200_session.sh serving-cold spec-verify spec-check      (device tool, carry .whl)
+#
+# Spark's own dependencies travel as wheels in .whl/ (the machine has torch, triton, transformers, httpx);
+# each step writes its JSON and its log under $OUT and prints the log's last lines, so one step that
+# fails or runs out of time leaves the others' results.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+cd benchmarks
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - t0)) s"
+    grep -v -i "warning\|^\s*$" "$OUT/$name.log" | tail -n 14
+}
+for name in "$@"; do
+    case $name in
+        serving-cold) step "$name" 360 python serving.py --cold --out "$OUT/serving-cold.json" ;;
+        startup) step "$name" 120 python startup.py --runs 1 --out "$OUT/startup.json" ;;
+        spec-verify) step "$name" 170 python spec_verify.py --out "$OUT/spec-verify.json" ;;
+        spec-check) step "$name" 90 python ../scripts/gpu_spec_check.py --model dummy:llama-3.1-8b \
+            --out "$OUT/spec-check.json" ;;
+        poisson) step "$name" 560 python poisson_serving.py --model dummy:llama-3.1-8b --requests 1000 --rate 32 \
+            --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 \
+            --out "$OUT/poisson.json" ;;
+        poisson-bound) step "$name" 300 python poisson_serving.py --policies slai --model dummy:llama-3.1-8b \
+            --requests 1000 --rate 32 --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 \
+            --new 128 --spark-args="--ttft-bound 2" --out "$OUT/poisson-bound.json" ;;
+        moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
+        *) echo "unknown step $name" ;;
+    esac
+done
