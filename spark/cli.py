@@ -48,7 +48,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     gen = sub.add_parser("generate", help="complete one prompt and print it")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="default", help="a .gguf file, an HF directory, 'default' or 'dummy:<preset>'")
+    gen.add_argument("--model", default="default", help="a .gguf file, an HF directory, a Hugging Face id org/name "
+                     "(from the local cache), 'default' or 'dummy:<preset>'")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message via the chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -62,7 +63,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     srv.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0: a free one)")
     srv.add_argument("--model", default=None,
-                     help="a .gguf file, an HF directory, 'default' (the embedded SmolLM2-135M) or 'dummy:<preset>' "
+                     help="a .gguf file, an HF directory, a Hugging Face id org/name (from the local cache: "
+                          "HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub; never downloaded), "
+                          "'default' (the embedded SmolLM2-135M) or 'dummy:<preset>' "
                           "(default: default)")
     srv.add_argument("--served-name", default=None, help="the model name clients use (default: the file's name)")
     srv.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")

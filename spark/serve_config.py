@@ -143,6 +143,8 @@ class ServeConfig:
         """The name clients use: ``served_name``, else the model file's (or directory's) stem."""
         import pathlib
 
+        from spark.engine.hub import looks_like_hf_id
+
         if self.served_name:
             return self.served_name
         if self.model in ("", "default"):
@@ -150,6 +152,8 @@ class ServeConfig:
         if self.model.startswith("dummy"):
             return self.model.replace(":", "-")
         path = pathlib.Path(self.model)
+        if not path.exists() and looks_like_hf_id(self.model):
+            return self.model  # a hub id is served under its own name, as vLLM does
         return (path.name if path.is_dir() else path.name.split(".")[0]).lower()
 
     @classmethod

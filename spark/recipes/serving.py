@@ -27,7 +27,15 @@ def unavailable_reason(recipe: Recipe) -> str | None:
         return None
     path = recipe.model_path()
     if path is not None and not path.exists():
-        return f"{path}: no such file or directory"
+        from spark.engine.errors import ModelLoadError
+        from spark.engine.hub import hub_model_path, looks_like_hf_id
+
+        if not looks_like_hf_id(recipe.model):
+            return f"{path}: no such file or directory"
+        try:
+            hub_model_path(recipe.model)  # org/name: in the local Hugging Face cache, or unavailable
+        except ModelLoadError as exc:
+            return str(exc)
     return None
 
 

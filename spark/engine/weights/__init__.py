@@ -17,6 +17,7 @@ import attrs
 import cattrs
 import torch
 
+from spark.engine import hub
 from spark.engine.config import ModelConfig
 from spark.engine.errors import ModelLoadError
 from spark.engine.models import SUPPORTED_ARCHS, model_class
@@ -68,7 +69,8 @@ def resolve_model(
 
     Args:
       spec: None or "default" (the embedded SmolLM2 GGUF), a path to a .gguf
-        file, an HF directory (with config.json), "dummy" (with
+        file, an HF directory (with config.json), a hub id ``org/name`` found in the
+        local Hugging Face cache (``spark.engine.hub``; never downloaded), "dummy" (with
         ``dummy_config``) or "dummy:<preset>" (see ``dummy.PRESETS``).
       dummy_config: the config of "dummy" weights, as a ``ModelConfig`` or a dict of its fields.
 
@@ -95,6 +97,8 @@ def resolve_model(
         source = ModelSource("dummy", None, dummy.dummy_config(spec.removeprefix("dummy:")))
     else:
         path = pathlib.Path(spec).expanduser()
+        if not path.exists() and hub.looks_like_hf_id(spec):
+            path = hub.hub_model_path(spec)
         if path.is_dir():
             if not (path / "config.json").exists():
                 raise ModelLoadError(path / "config.json", "missing: an HF model directory needs config.json")
