@@ -33,6 +33,7 @@ from spark.control.slot import Slot
 from spark.control.usage import UsageCounters
 from spark.core.interfaces import LoadedEngine
 from spark.http import admin, anthropic, errors, gateway, openapi, responses, routes
+from spark.http import tokenize
 from spark.http.errors import ApiError
 from spark.http.fanin import Generations
 from spark.http.keys import RefusalPacer, keyring
@@ -175,6 +176,7 @@ def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None
     app.before_request(functools.partial(_authenticate, state))
     gateway.install(app)
     app.register_blueprint(routes.bp)
+    app.register_blueprint(tokenize.bp)  # /tokenize, /detokenize (vLLM's)
     app.register_blueprint(admin.bp)
     errors.install(app)
     anthropic.install(app)  # /v1/messages*, with Anthropic-shaped errors

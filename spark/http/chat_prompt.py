@@ -201,7 +201,7 @@ def _arguments_mapping(arguments: object) -> object:
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFormat,
                 tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
-                enable_thinking: bool | None = None) -> RenderedPrompt:
+                enable_thinking: bool | None = None, add_generation_prompt: bool = True) -> RenderedPrompt:
     """Render a conversation with the model's chat template and encode it.
 
     Args:
@@ -211,6 +211,7 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
       tools: the tools to show the template, or None.
       chat_template_kwargs: more template variables from the request.
       enable_thinking: the API's thinking switch, or None (see the module docstring).
+      add_generation_prompt: end with the assistant's header (False: the conversation as is, ``/tokenize``).
 
     Returns:
       The ``RenderedPrompt``.
@@ -231,7 +232,7 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
         kwargs["enable_thinking"] = thinking
     try:
         text = tokenizer.apply_chat_template(template_messages(messages), tools=list(tools) if tools else None,
-                                             add_generation_prompt=True, **kwargs)
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from None
     ids = tokenizer.encode(text)

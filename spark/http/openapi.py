@@ -30,6 +30,7 @@ from spark.http.anthropic import PREFIX as ANTHROPIC_PREFIX
 from spark.http.anthropic import CountTokensRequest, MessagesRequest
 from spark.http.response_items import ConversationRequest, ItemsRequest, ResponsesRequest
 from spark.http.schemas import ChatRequest, CompletionRequest, Prompt
+from spark.http.tokenize import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("openapi", __name__)
 
@@ -44,6 +45,8 @@ BODIES: dict[str, type] = {
     "responses.add_conversation_items": ItemsRequest,
     "inference_admin.up": UpRequest,
     "inference_admin.down": DownRequest,
+    "tokenize.tokenize": TokenizeRequest,
+    "tokenize.detokenize": DetokenizeRequest,
 }
 EMPTY_BODY_ALLOWED = {"responses.create_conversation", "inference_admin.down"}  # read as {}
 BODY_METHODS = ("POST", "PUT", "PATCH")

@@ -98,6 +98,9 @@ SEEDS: dict[str, list[dict]] = {
                                            "content": [{"type": "reasoning_text", "text": "r"}]},
                                           {"type": "message", "role": "assistant", "content": "ok"}]}],
     "POST /v1/conversations/{cid}/items": [{"items": [{"role": "assistant", "content": "hello"}]}],
+    "POST /tokenize": [{"prompt": "Hello"}, {"messages": [{"role": "user", "content": "hi"}],
+                                            "add_generation_prompt": False, "return_token_strs": True}],
+    "POST /detokenize": [{"tokens": [1, 2, 3]}],
     "POST /api/inference/up": [{"id": "no-such-recipe"}],
     "POST /api/inference/down": [{"grace_s": 0}],
 }

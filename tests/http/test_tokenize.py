@@ -1,0 +1,86 @@
+"""/tokenize and /detokenize in vLLM's shapes (issue 25), through a real server
+whose model replays scripted text (``tests.http.replay``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.http.replay import ReplayEngine, replay_server, smollm_tokenizer
+
+REPLY = " over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ReplayEngine(smollm_tokenizer(), {}, default=REPLY)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with replay_server(engine) as running:
+        yield running
+
+
+# -- /tokenize, /detokenize ----------------------------------------------------------------------
+
+
+def test_a_prompt_is_counted_as_completions_encode_it(server):
+    tok = smollm_tokenizer()
+    with server.http() as http:
+        r = http.post("/tokenize", json={"model": "replay", "prompt": "Hello world", "return_token_strs": True})
+        assert r.status_code == 200, r.text  # was 404
+        body = r.json()
+        assert body == {"count": len(body["tokens"]), "max_model_len": 4096,
+                        "tokens": tok.encode("Hello world", add_special_tokens=True),
+                        "token_strs": [tok.token_text(t) for t in body["tokens"]]}
+        plain = http.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+        assert plain["tokens"] == tok.encode("Hello world") and plain["token_strs"] is None
+        done = server.client().completions.create(model="replay", prompt="Hello world", max_tokens=2)
+        assert done.usage.prompt_tokens == body["count"]
+
+
+def test_messages_are_counted_as_chat_completions_render_them(server, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    with server.http() as http:
+        body = http.post("/tokenize", json={"model": "replay", "messages": messages}).json()
+        bare = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    chat = server.client().chat.completions.create(model="replay", messages=messages, max_tokens=2)
+    assert body["count"] == chat.usage.prompt_tokens == len(body["tokens"])
+    assert smollm_tokenizer().decode(body["tokens"]) == engine.prompts[-1]  # the very prompt the model got
+    assert body["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < body["count"]
+    assert smollm_tokenizer().decode(body["tokens"][bare["count"]:]).strip() == "<|im_start|>assistant"
+
+
+def test_detokenize_gives_the_text_back(server):
+    tok = smollm_tokenizer()
+    with server.http() as http:
+        ids = http.post("/tokenize", json={"prompt": "Grüße, world!", "add_special_tokens": False}).json()["tokens"]
+        r = http.post("/detokenize", json={"model": "replay", "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "Grüße, world!"} == {"prompt": tok.decode(ids)}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "b"}]}, "messages[0].role"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/detokenize", {}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+])
+def test_bad_input_is_a_400_in_openais_shape(server, path, body, param):
+    with server.http() as http:
+        r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"]
+
+
+def test_an_unknown_model_is_a_404(server):
+    with server.http() as http:
+        r = http.post("/tokenize", json={"model": "gpt-4o", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
