@@ -122,5 +122,21 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) 
     }
 
 
+def echoed_logprobs(prompt_tokens: Sequence[str], logprobs: dict | None = None) -> dict:
+    """The legacy ``logprobs`` object of an echoed prompt's tokens, followed by ``logprobs`` (the generated
+    tokens', from ``completion_logprobs`` with ``text_offset`` past the prompt) when given.
+
+    The prompt's tokens have null logprobs: the engine does not score a prompt (OpenAI nulls the first only).
+    """
+    offsets, at = [], 0
+    for token in prompt_tokens:
+        offsets.append(at)
+        at += len(token)
+    k = len(prompt_tokens)
+    echoed = {"tokens": list(prompt_tokens), "token_logprobs": [None] * k, "top_logprobs": [None] * k,
+              "text_offset": offsets}
+    return echoed if logprobs is None else {key: echoed[key] + logprobs[key] for key in echoed}
+
+
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

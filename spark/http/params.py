@@ -221,6 +221,26 @@ def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[l
     return out
 
 
+@attrs.frozen
+class Echo:
+    """A completion prompt as ``echo`` writes it before the choice's text: the prompt's own text (a token-id
+    prompt decoded), and its tokens' texts for ``logprobs`` (Spark scores no prompt token: their logprobs are null)."""
+
+    text: str
+    tokens: tuple[str, ...] = ()
+
+
+def echoes(tokenizer, req: CompletionRequest, prompts: Sequence[Sequence[int]]) -> list[Echo]:
+    """Per choice (``build_job``'s order: each prompt ``n`` times), what ``echo`` writes first."""
+    n = num_choices(req.n)
+    out = []
+    for prompt, ids in zip(req.prompt, prompts):
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+        tokens = tuple(tokenizer.token_text(t) for t in ids) if req.logprobs is not None else ()
+        out += [Echo(text, tokens)] * n
+    return out
+
+
 def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[int]], params: SamplingParams,
               limits: Limits, *, api_key: str | None, grammar: GrammarSpec | None = None) -> Job:
     """One ``GenerateRequest`` per prompt and choice, ``max_tokens`` capped to the context left.

@@ -20,7 +20,8 @@ from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
 from spark.http.gateway import generates
-from spark.http.params import MODEL_ALIAS, Job, base_params, build_job, chat_turn, encode_prompts, logprobs_k
+from spark.http.params import (MODEL_ALIAS, Echo, Job, base_params, build_job, chat_turn, echoes, encode_prompts,
+                               logprobs_k)
 from spark.http.schemas import ChatRequest, CompletionRequest
 from spark.http.spine import Serving, request_body
 from spark.http.turn import ContentDelta, ReasoningDelta, TurnDone, TurnParser, turn_steps
@@ -107,23 +108,34 @@ def _chat_inputs(req: ChatRequest, limits, max_tokens: int | None) -> tuple:
 async def completions(serving: Serving):
     limits = serving.limits
     req = await request_body(CompletionRequest)
-    if req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
     params = await spine.off_loop(functools.partial(base_params, max_tokens=req.max_tokens, logprobs=logprobs_k(req)),
                                   req, limits)
     prompts = await trio.to_thread.run_sync(encode_prompts, serving.model.tokenizer, req, limits.vocab_size)
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = build_job(rid, req, prompts, params, limits, api_key=g.api_key)
+    # echo: each choice's text (and logprobs) starts with its prompt's
+    echo = await trio.to_thread.run_sync(echoes, serving.model.tokenizer, req, prompts) if req.echo else None
     head = {"id": rid, "created": int(time.time()), "model": limits.served_name}
     fanin = await spine.submit(serving, job)
     if job.stream:
-        return spine.sse(_completion_events(head, job, fanin))
+        return spine.sse(_completion_events(head, job, fanin, echo))
     texts, logprobs, reasons, completion_tokens, cached = await _collect(job, fanin)
     choices = [fmt.completion_choice(i, texts[i], reasons[i],
                                      None if logprobs[i] is None else fmt.completion_logprobs(logprobs[i]))
                for i in range(len(texts))]
+    if echo is not None:
+        choices = [_echoed(choice, echo[i]) for i, choice in enumerate(choices)]
     return {**head, "object": "text_completion", "choices": choices,
             "usage": fmt.usage(job.prompt_tokens, completion_tokens, cached)}
+
+
+def _echoed(choice: dict, echo: Echo) -> dict:
+    """A whole completion choice with its prompt echoed before its text (and its tokens before its logprobs)."""
+    logprobs = choice["logprobs"]
+    if logprobs is not None:
+        logprobs = fmt.echoed_logprobs(echo.tokens, {**logprobs, "text_offset": [
+            len(echo.text) + at for at in logprobs["text_offset"]]})
+    return {**choice, "text": echo.text + choice["text"], "logprobs": logprobs}
 
 
 # -- generation ---------------------------------------------------------------------
@@ -230,8 +242,10 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
         fanin.close()
 
 
-async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterator[bytes]:
-    """The chunks of a streamed completion: one write per piece, the last with the usage and ``[DONE]``."""
+async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo] | None = None
+                             ) -> AsyncIterator[bytes]:
+    """The chunks of a streamed completion: one write per piece, the last with the usage and ``[DONE]``;
+    with ``echo``, a first chunk per choice holds its prompt."""
     head = {**head, "object": "text_completion"} | ({"usage": None} if job.include_usage else {})
     offsets = [0] * len(job.requests)  # text_offset of each choice's next token
     text_chunks = [fmt.sse_template({**head, "choices": [fmt.completion_choice(i, fmt.SLOT, None, None)]})
@@ -239,6 +253,14 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn) -> AsyncIterato
     completion_tokens, ended, cached = 0, 0, 0
     out: list[bytes] = []
     try:
+        if echo is not None:
+            for i, prompt in enumerate(echo):
+                offsets[i] = len(prompt.text)
+                scored = job.requests[i].params.logprobs is not None
+                out.append(fmt.sse({**head, "choices": [fmt.completion_choice(
+                    i, prompt.text, None, fmt.echoed_logprobs(prompt.tokens) if scored else None)]}))
+            yield b"".join(out)
+            out.clear()
         async with aclosing(_text_pieces(fanin)) as pieces:
             async for i, piece in pieces:
                 if job.requests[i].params.logprobs is not None:

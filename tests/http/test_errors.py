@@ -68,7 +68,7 @@ BAD = [
     (COMPLETIONS, {"prompt": [1, 10**9]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [-1]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "echo": "yes"}, 400, "echo"),  # (echo true was refused, issue 25)
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": list(range(1, MAX_MODEL_LEN + 1))}, 400, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "model": "nope"}, 404, "model"),

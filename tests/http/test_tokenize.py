@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize in vLLM's shapes (issue 25), through a real server
+"""/tokenize and /detokenize in vLLM's shapes, and completions' echo (issue 25), through a real server
 whose model replays scripted text (``tests.http.replay``)."""
 
 from __future__ import annotations
@@ -84,3 +84,45 @@ def test_an_unknown_model_is_a_404(server):
     with server.http() as http:
         r = http.post("/tokenize", json={"model": "gpt-4o", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+# -- completions echo -----------------------------------------------------------------------------
+
+
+def test_echo_puts_the_prompt_before_the_text(server):
+    client = server.client()
+    r = client.completions.create(model="replay", prompt="The quick brown fox", max_tokens=20, echo=True)  # was 400
+    assert r.choices[0].text == "The quick brown fox" + REPLY
+    chunks = list(client.completions.create(model="replay", prompt="The quick brown fox", max_tokens=20, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == "The quick brown fox"  # the prompt first, on its own
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_echo_of_token_ids_and_of_several_prompts_and_choices(server):
+    tok = smollm_tokenizer()
+    ids = tok.encode("Jumps")
+    r = server.client().completions.create(model="replay", prompt=["A", "B"], max_tokens=20, echo=True, n=2)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == ["A" + REPLY] * 2 + ["B" + REPLY] * 2
+    r = server.client().completions.create(model="replay", prompt=ids, max_tokens=20, echo=True)
+    assert r.choices[0].text == tok.decode(ids) + REPLY
+
+
+def test_echo_with_logprobs_lists_the_prompts_tokens_first(server):
+    tok = smollm_tokenizer()
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt, add_special_tokens=True)
+    client = server.client()
+    r = client.completions.create(model="replay", prompt=prompt, max_tokens=20, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    generated = len(tok.encode(REPLY)) + 1  # and the end of text
+    assert lp.tokens[:len(ids)] == [tok.token_text(t) for t in ids] and len(lp.tokens) == len(ids) + generated
+    assert lp.token_logprobs[:len(ids)] == [None] * len(ids)  # Spark does not score a prompt
+    assert all(p is not None for p in lp.token_logprobs[len(ids):])
+    assert lp.text_offset[len(ids)] == len(prompt)  # the text's first generated character
+    assert r.choices[0].text[lp.text_offset[len(ids)]:].startswith(lp.tokens[len(ids)])
+    chunks = list(client.completions.create(model="replay", prompt=prompt, max_tokens=20, echo=True, logprobs=1,
+                                            stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
