@@ -93,6 +93,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     srv.add_argument("--recipe", default=None, help="start with this recipe active (see recipes/)")
     srv.add_argument("--recipes", default=None, help="the recipes directory (default with --recipe: recipes/)")
     srv.add_argument("--admin-key", default=None, help="Bearer key of the admin API (/api/inference)")
+    srv.add_argument("--config-dir", default=None,
+                     help="host-local control-plane config: inference-profiles.yaml (the enabled recipes), "
+                          "inference-pricing.json and roi-recipe-tags.json (ROI) (default: $SPARK_CONFIG_DIR or "
+                          "~/.config/spark)")
     srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_CHOICES, default=None,
                      help="tool-call format of the model's output (default auto: from the chat template)")
     srv.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default=None,
@@ -194,7 +198,7 @@ def _serve(args) -> int:
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, tbt_deadline_ms=args.tbt_deadline_ms,
         ttft_bound_s=args.ttft_bound_s, max_model_len=args.max_model_len,
         cpu_threads=args.cpu_threads, weight_format=args.weight_format, api_keys=tuple(args.api_key) if args.api_key else None,
-        recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key,
+        recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, config_dir=_config_dir(args.config_dir),
         **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_thinking_budget=args.max_thinking_budget, disable_thinking=args.disable_thinking,
@@ -203,6 +207,12 @@ def _serve(args) -> int:
     )
     serve(config, access_log=args.access_log)
     return 0
+
+
+def _config_dir(given: str | None) -> str:
+    from spark.recipes.loading import default_config_dir
+
+    return given or str(default_config_dir())
 
 
 def _state_paths(state_dir: str | None, port: int | None) -> dict:

@@ -105,6 +105,9 @@ class ServeConfig:
     # On SIGTERM/SIGINT: no new requests, open streams get this long to finish, the rest end with an
     # error event saying the server is shutting down (a second signal ends them at once).
     shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    # Host-local control-plane settings (spark.recipes): inference-profiles.yaml (the enabled recipes),
+    # inference-pricing.json and roi-recipe-tags.json (ROI); None: none (every non-draft recipe enabled).
+    config_dir: str | None = None
     admin_key: str | None = None  # Bearer key of /api/inference/*; required there once any key is configured
     activity_log_path: str | None = None  # one JSON line per generation request; None: no log
     # Faults on purpose, for tests and drills (spark.core.faults): "step=3,7;request=5" makes the 3rd

@@ -373,6 +373,8 @@ class Slot:
         """The card of ``name`` (``sparky``: the active model's), or None when there is none."""
         if name in RESERVED_NAMES:
             if self.state != "active":
+                if recipe.catalog_id:
+                    card["catalog_id"] = recipe.catalog_id
                 return None
             name = self.active.served_name
         return next((card for card in self.model_cards(created) if card["id"] == name), None)
@@ -403,5 +405,7 @@ class Slot:
         self.state, self.since = state, time.time()
 
     def _event(self, kind: str, recipe_id: str | None, detail: str) -> None:
+                            "enabled": self.catalog.is_enabled(recipe), "catalog_id": recipe.catalog_id,
+                            "roi_profile": self.catalog.roi.profile_of(recipe)[0],
         self.events.append({"time": time.time(), "event": kind, "recipe": recipe_id, "detail": detail})
         log.info("slot: %s %s: %s", kind, recipe_id, detail)

@@ -4,7 +4,8 @@
     POST /api/inference/up    {"id", "grace_s"?, "wait"?}   switch to a recipe (202; 200 once done with wait)
     POST /api/inference/down  {"grace_s"?}   unload the active model
     GET  /api/inference/logs?n=50            slot events and the last activity lines
-    GET  /api/inference/usage                tokens per recipe: last hour, last day, all time
+    GET  /api/inference/usage                tokens per recipe: last hour, last day, all time; "roi": their
+                                             cost on each recipe's ROI profile (USD, None unpriced)
 
 Once any key is configured (``api_keys`` or ``admin_key``), every call needs
 ``Authorization: Bearer <admin_key>``; reads also accept an API key.
@@ -131,7 +132,10 @@ async def logs():
 
 @bp.get("/usage")
 async def usage():
-    return {"recipes": _slot().usage.summary()}
+    """Tokens per recipe (last hour, day, all time), and what they would cost on each one's ROI profile."""
+    slot = _slot()
+    summary = slot.usage.summary()
+    return {"recipes": summary, "roi": slot.catalog.roi.rollup(summary, slot.catalog.recipes)}
 
 
 async def _body(cls: type):

@@ -7,6 +7,12 @@ A problem names its file, the path inside it and (when known) the line:
 A file with any problem is skipped as a whole; the others still load. Across
 files, ids and model names (served names and aliases together) must be unique:
 the later file in name order is the one skipped.
+
+Beside the recipes, ``roi-profiles.yaml`` (``spark.recipes.roi``) names the cloud models a
+``roi_profile`` may point at. A host-local config directory (``spark serve --config-dir``) may
+hold ``inference-profiles.yaml``, the enabled list: ``enabled: [id, ...]``. With it only those
+recipes answer to their names and are listed; without it every recipe outside ``drafts/`` does.
+Any recipe can still be brought up by id.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ import re
 import attrs
 import yaml
 
-from spark.recipes.schema import RESERVED_NAMES, Recipe, describe_errors, structure_recipe
+from spark.recipes.roi import PROFILES_FILE, RoiBook, load_roi
+from spark.recipes.schema import (KV_DTYPES, RESERVED_NAMES, SPARK_SPECULATIVE, Recipe, describe_errors,
+                                  structure_recipe)
 
 DRAFTS = "drafts"
+ENABLED_FILE = "inference-profiles.yaml"  # in the host-local config directory
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,79}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 _ENV = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -47,18 +56,31 @@ class Catalog:
     problems: tuple[Problem, ...] = ()
     directory: pathlib.Path | None = None
     files: int = 0  # recipe files read, valid or not
+    enabled_ids: frozenset[str] | None = None  # the host's enabled list; None: every recipe outside drafts/
+    roi: RoiBook = RoiBook()
 
     def get(self, recipe_id: str) -> Recipe | None:
         return next((r for r in self.recipes if r.id == recipe_id), None)
 
+    def is_enabled(self, recipe: Recipe) -> bool:
+        return recipe.id in self.enabled_ids if self.enabled_ids is not None else not recipe.draft
+
     @property
     def enabled(self) -> tuple[Recipe, ...]:
-        """The recipes served by name (drafts are served only when brought up by id)."""
-        return tuple(r for r in self.recipes if not r.draft)
+        """The recipes served by name: the enabled list's, else every one outside drafts/ (the rest are
+        served only when brought up by id)."""
+        return tuple(r for r in self.recipes if self.is_enabled(r))
 
     def by_name(self, name: str) -> Recipe | None:
         """The enabled recipe whose served name or alias is ``name``."""
         return next((r for r in self.enabled if name in r.names), None)
+
+
+def default_config_dir() -> pathlib.Path:
+    """The host-local config directory: ``$SPARK_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/spark`` (~/.config/spark)."""
+    if os.environ.get("SPARK_CONFIG_DIR"):
+        return pathlib.Path(os.environ["SPARK_CONFIG_DIR"]).expanduser()
+    return pathlib.Path(os.environ.get("XDG_CONFIG_HOME") or pathlib.Path.home() / ".config") / "spark"
 
 
 def project_recipes_dir() -> pathlib.Path:
@@ -66,8 +88,9 @@ def project_recipes_dir() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parents[2] / "recipes"
 
 
-def load_recipes(directory: str | os.PathLike) -> Catalog:
-    """Read ``directory/*.yaml`` and ``directory/drafts/*.yaml``.
+def load_recipes(directory: str | os.PathLike, *, config_dir: str | os.PathLike | None = None) -> Catalog:
+    """Read ``directory/*.yaml`` and ``directory/drafts/*.yaml``, the ROI profiles beside them, and the
+    enabled list, ROI prices and tags of the host-local ``config_dir`` (when given).
 
     Returns:
         The catalog; a missing directory is one problem, not an exception.
@@ -75,20 +98,44 @@ def load_recipes(directory: str | os.PathLike) -> Catalog:
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         return Catalog(problems=(Problem(_shown(directory), "$", "no such recipes directory"),), directory=directory)
-    files = [(p, False) for p in sorted(directory.glob("*.y*ml"))]
+    roi = load_roi(directory, config_dir)
+    files = [(p, False) for p in sorted(directory.glob("*.y*ml")) if p.name != PROFILES_FILE]
     files += [(p, True) for p in sorted((directory / DRAFTS).glob("*.y*ml"))]
     recipes: list[Recipe] = []
     problems: list[Problem] = []
     owners: dict[str, Recipe] = {}  # model name or "id:<id>" -> the recipe that claimed it first
     for path, draft in files:
         recipe, found = read_recipe(path, draft=draft)
-        if recipe is not None:
+        if recipe is not None and recipe.roi_profile is not None and recipe.roi_profile not in roi.profiles:
+            where = roi.profiles_path if roi.profiles_path.exists() else f"{roi.profiles_path} (missing)"
+            found = [Problem(_shown(path), "$.roi_profile", f"no ROI profile {recipe.roi_profile!r} in {where}")]
+        elif recipe is not None:
             found = _claim(recipe, owners, _shown(path))
         if found:
             problems.extend(found)
         else:
             recipes.append(recipe)
-    return Catalog(tuple(recipes), tuple(problems), directory, len(files))
+    problems += [Problem(_shown(pathlib.Path(file)), where, message) for file, where, message in roi.problems]
+    enabled, found = _enabled_list(pathlib.Path(config_dir).expanduser() / ENABLED_FILE if config_dir else None,
+                                   {r.id for r in recipes})
+    return Catalog(tuple(recipes), tuple(problems + found), directory, len(files), enabled, roi)
+
+
+def _enabled_list(path: pathlib.Path | None, known: set[str]) -> tuple[frozenset[str] | None, list[Problem]]:
+    """The host's enabled recipe ids (``enabled: [id, ...]``), or None when it keeps no list."""
+    if path is None or not path.exists():
+        return None, []
+    shown = _shown(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        return frozenset(), [Problem(shown, "$", f"cannot read the enabled list: {str(exc).splitlines()[0]}")]
+    ids = raw.get("enabled") if isinstance(raw, dict) and set(raw) == {"enabled"} else None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        return frozenset(), [Problem(shown, "$", "expected `enabled: [recipe id, ...]`")]
+    problems = [Problem(shown, f"$.enabled[{i}]", f"no valid recipe {rid!r}") for i, rid in enumerate(ids)
+                if rid not in known]
+    return frozenset(ids), problems
 
 
 def read_recipe(path: str | os.PathLike, *, draft: bool = False) -> tuple[Recipe | None, list[Problem]]:
@@ -172,8 +219,30 @@ def _semantic_problems(raw: dict, stem: str, draft: bool) -> list[tuple[str, str
     out += _dummy_problems(sections["dummy"]) + _parser_problems(sections["parsers"])
     out += _policy_problems(sections["scheduler"])
     out += _range_problems(sections)
+    out += _engine_field_problems(engine, sections["context"], raw.get("speculative"))
     if raw.get("lifecycle") == "draft" and not draft:
         out.append(("$.lifecycle", "a draft belongs in recipes/drafts/"))
+    return out
+
+
+def _engine_field_problems(engine, context, speculative) -> list[tuple[str, str]]:
+    """The seed's fields that mean something only to some engines: ``context.kv_default`` and a
+    speculative method other than n-gram lookup are an upstream engine's business."""
+    out = []
+    kv = context.get("kv_default") if isinstance(context, dict) else None
+    if engine == "spark" and isinstance(kv, str):
+        if kv not in KV_DTYPES:
+            out.append(("$.context.kv_default", f"Spark's engine keeps its KV cache in one of {', '.join(KV_DTYPES)}; "
+                                                f"got {kv!r} (an upstream recipe may name its engine's own)"))
+        elif context.get("kv_dtype", kv) != kv:
+            out.append(("$.context.kv_default", f"{kv!r} contradicts kv_dtype {context['kv_dtype']!r}: set one"))
+    elif isinstance(kv, str) and not re.match(r"^[A-Za-z0-9_.-]{1,32}$", kv):
+        out.append(("$.context.kv_default", f"{kv!r} is not a dtype name"))
+    method = speculative.get("method") if isinstance(speculative, dict) else None
+    if engine == "spark" and isinstance(method, str) and method not in SPARK_SPECULATIVE and method in (
+            "mtp", "eagle", "eagle3", "dflash", "dspark"):
+        out.append(("$.speculative.method", f"{method!r} is an upstream engine's method; Spark's engine "
+                                            f"speculates by {' or '.join(SPARK_SPECULATIVE)}"))
     return out
 
 

@@ -17,16 +17,30 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn, override
 
 ENGINES = ("spark", "upstream")
-LIFECYCLES = ("draft", "testing", "works", "production")
+LIFECYCLES = ("draft", "testing", "works", "production", "promote")
 TIERS = ("light", "medium", "heavy")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
-RESERVED_NAMES = ("sparky",)  # always the active model: no recipe may claim it
+# Speculative methods: Spark's engine drafts by n-gram lookup; the others name what an upstream engine
+# was launched with (vLLM's MTP/EAGLE, DFlash, DSpark), for people and the portal.
+SPARK_SPECULATIVE = ("ngram", "none")
+SPECULATIVE_METHODS = (*SPARK_SPECULATIVE, "mtp", "eagle", "eagle3", "dflash", "dspark")
+# Gateway names that always mean the active model (no recipe may claim one, none switches):
+# sparky as its recipe serves it, sparky-think with thinking on, sparky-fast with thinking off.
+RESERVED_NAMES = ("sparky", "sparky-think", "sparky-fast")
 
 
 @attrs.frozen
 class Context:
     default: int | None = None  # context length; the model's own when None
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # spark: the KV cache shares the model dtype
+    # The control plane's name for the KV cache's dtype. Spark's engine: one of KV_DTYPES, as kv_dtype;
+    # an upstream recipe: what its engine was launched with (fp8, q8_0, ...), shown, not enforced.
+    kv_default: str | None = None
+
+    @property
+    def kv(self) -> str:
+        """The KV dtype Spark's engine loads with: ``kv_default`` when it names one, else ``kv_dtype``."""
+        return self.kv_default if self.kv_default in KV_DTYPES else self.kv_dtype
 
 
 @attrs.frozen
@@ -41,7 +55,9 @@ class Scheduler:
 class Speculative:
     """Speculative decoding (``spark.core.speculation``); a field left out keeps the server's."""
 
-    method: Literal["ngram", "none"] = "ngram"  # ngram: drafts by prompt lookup; none: off
+    # ngram: drafts by prompt lookup; none: off. mtp, eagle, eagle3, dflash, dspark: an upstream engine's own
+    # (recorded for an upstream recipe; Spark's engine refuses them).
+    method: Literal["ngram", "none", "mtp", "eagle", "eagle3", "dflash", "dspark"] = "ngram"
     tokens: int | None = None  # drafted tokens per step at most
     ngram: int | None = None  # the longest n-gram of the context's end looked up
     max_batch: int | None = None  # off while more sequences than this decode
@@ -102,6 +118,7 @@ class Recipe:
     model: str
     engine: Literal["spark", "upstream"]
     name: str | None = None  # for people; the id by default
+    catalog_id: str | None = None  # the model's identity in the catalog (lab/model-variant), shown in listings
     aliases: tuple[str, ...] = ()
     context: Context = Context()
     scheduler: Scheduler = Scheduler()
@@ -110,6 +127,7 @@ class Recipe:
     speculative: Speculative | None = None  # None: the server's (off by default)
     lifecycle: Literal["draft", "testing", "works", "production"] = "testing"
     tier: Literal["light", "medium", "heavy"] = "medium"
+    roi_profile: str | None = None  # an id in <recipes>/roi-profiles.yaml: the cloud model its usage is priced as
     upstream: Upstream | None = None
     dummy: Dummy | None = None
     # Set by the loader, never read from YAML:

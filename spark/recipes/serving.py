@@ -67,11 +67,12 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
 
 def engine_dtype(recipe: Recipe):
     """The torch dtype of the model and its KV cache (Spark's KV cache shares the model's), or None."""
-    if recipe.context.kv_dtype == "auto":
+    kv = recipe.context.kv
+    if kv == "auto":
         return None
     import torch
 
-    return getattr(torch, recipe.context.kv_dtype)  # float32 | bfloat16 | float16
+    return getattr(torch, kv)  # float32 | bfloat16 | float16
 
 
 def implicit_recipe(config: ServeConfig) -> Recipe:
@@ -100,7 +101,7 @@ def catalog_for(config: ServeConfig) -> tuple[Catalog, Recipe | None]:
     if not config.recipes_dir and not config.recipe:
         recipe = implicit_recipe(config)
         return Catalog((recipe,), files=0), recipe
-    catalog = load_recipes(config.recipes_dir or project_recipes_dir())
+    catalog = load_recipes(config.recipes_dir or project_recipes_dir(), config_dir=config.config_dir)
     if not config.recipe:
         return catalog, None
     recipe = catalog.get(config.recipe)
