@@ -397,6 +397,7 @@ class Slot:
                               max_model_len=self.model.max_model_len)
         return {"state": self.state, "since": self.since, "active": active,
                 "target": self.target.id if self.target is not None else None, "error": self.error,
+                "eta_s": self.eta() if self.switching else None,
                 "switch_on_demand": self.config.switch_on_demand, "last_unload": self.last_unload,
                 "recipes": recipes, "problems": [str(p) for p in self.catalog.problems],
                 "recipes_dir": str(self.catalog.directory) if self.catalog.directory else None}

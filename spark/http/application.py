@@ -32,7 +32,7 @@ from spark.control.served import ServedModel
 from spark.control.slot import Slot
 from spark.control.usage import UsageCounters
 from spark.core.interfaces import LoadedEngine
-from spark.http import admin, anthropic, errors, gateway, openapi, responses, routes
+from spark.http import admin, anthropic, errors, gateway, openapi, portal, responses, routes
 from spark.http import tokenize
 from spark.http.errors import ApiError
 from spark.http.fanin import Generations
@@ -182,6 +182,7 @@ def create_app(config: ServeConfig | None = None, *, engine: LoadedEngine | None
     anthropic.install(app)  # /v1/messages*, with Anthropic-shaped errors
     responses.install(app)  # /v1/responses*, /v1/conversations*, and their SQLite store
     app.register_blueprint(openapi.bp)  # GET /openapi.json, generated from the request classes
+    app.register_blueprint(portal.bp)  # GET /: the web portal (static files that call the APIs above)
     return app
 
 

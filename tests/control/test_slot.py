@@ -59,6 +59,7 @@ async def test_names_and_switching_on_demand(catalog):
         loading = _refusal(slot, "tiny-b")
         assert (loading.status, loading.code) == (503, "model_loading") and loading.retry_after >= 1
         assert slot.switching and published[-1] is None  # the routes lost the old model at once
+        assert slot.status()["target"] == "tiny-b" and slot.status()["eta_s"] >= 1  # the portal's progress
         assert _refusal(slot, "tiny-b").code == "model_loading"  # no second switch
         assert "busy switching to tiny-b" in _refusal(slot, "ta").message
         assert _refusal(slot, "sparky").status == 503
@@ -66,6 +67,7 @@ async def test_names_and_switching_on_demand(catalog):
             slot.switch_to(a)
         await slot.switch_to(b).wait()  # the switch in progress
         assert slot.route("tiny-b") is slot.route("sparky") is b and published[-1].recipe is b
+        assert slot.status()["eta_s"] is None
         assert slot.last_unload["recipe"] == "tiny-a" and slot.last_unload["kv_pages_in_use"] == 0
         draft = catalog.get("tiny-d")
         await slot.switch_to(draft).wait()  # by id it comes up, and then answers to its name
