@@ -96,6 +96,11 @@ class ServeConfig:
     max_thinking_budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(0)))  # reasoning tokens per request at most; None: unlimited
     disable_thinking: bool = False  # thinking off, whatever a request asks: a kill-switch
+    # An answer that opens with a refusal goes to each API's refusal field (spark.parsers.refusal); the
+    # patterns replace the built-in openings (SPARK_REFUSAL_PATTERNS: separated by "|").
+    refusal_filter: bool = True
+    refusal_patterns: tuple[str, ...] = ()
+    citations: bool = True  # the answer's links as url_citation annotations / citations (spark.parsers.citations)
     # Recipes and the one-slot control plane (spark.recipes, spark.control). Without recipes_dir and
     # recipe the server serves `model` alone, as an implicit recipe.
     recipes_dir: str | None = None  # the recipes directory; the project's recipes/ when only `recipe` is set
@@ -174,6 +179,8 @@ class ServeConfig:
                 continue
             if field.name == "api_keys":
                 raw[field.name] = tuple(k.strip() for k in value.split(",") if k.strip())
+            elif field.name == "refusal_patterns":  # a refusal's opening may hold commas
+                raw[field.name] = tuple(p.strip() for p in value.split("|") if p.strip())
             else:
                 raw[field.name] = value
         raw.update({k: v for k, v in overrides.items() if v is not None})

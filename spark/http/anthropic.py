@@ -28,8 +28,9 @@ from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job, stop_strings
 from spark.http.spine import Serving, request_body
-from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, ToolCallDelta, ToolChoice, TurnDone,
-                             TurnParser, collect_turn, prepare_turn, turn_events)
+from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, RefusalDelta, ToolCallDelta, ToolChoice,
+                             TurnDone, TurnParser, collect_turn, prepare_turn, turn_events)
+from spark.parsers.citations import extract_citations
 
 bp = Blueprint("anthropic", __name__)
 log = logging.getLogger("spark.http")
@@ -254,7 +255,7 @@ async def create_message(serving: Serving):
     done = await collect_turn(fanin, parser)
     if done.error is not None:
         raise done.error
-    return spine.answer({**head, "content": content_blocks(done), **stop_fields(done),
+    return spine.answer({**head, "content": content_blocks(done, citations=parser.citations), **stop_fields(done),
                          "usage": message_usage(len(prompt), done.usage, written)}, stage)
 
 
@@ -269,21 +270,32 @@ def _breakpoint_pins(serving: Serving, turn, marked: MessagesRequest, ttls: list
 
 
 def stop_fields(done: TurnDone) -> dict:
-    """``stop_reason`` (end_turn, max_tokens, stop_sequence, tool_use) and the ``stop_sequence`` matched."""
+    """``stop_reason`` (end_turn, max_tokens, stop_sequence, tool_use, refusal) and the ``stop_sequence`` matched."""
+    if done.result.refusal:
+        return {"stop_reason": "refusal", "stop_sequence": None}
     if done.stop_string is not None and done.finish_reason == "stop":
         return {"stop_reason": "stop_sequence", "stop_sequence": done.stop_string}
     return {"stop_reason": _STOP_REASONS.get(done.finish_reason, "end_turn"), "stop_sequence": None}
 
 
-def content_blocks(done: TurnDone) -> list[dict]:
-    """The whole reply as blocks: thinking, text, then tool_use (an empty text block if nothing else)."""
+def content_blocks(done: TurnDone, *, citations: bool = False) -> list[dict]:
+    """The whole reply as blocks: thinking, text (a refusal's too; with ``citations``, the links it cites),
+    then tool_use (an empty text block if nothing else)."""
     result, blocks = done.result, []
     if result.reasoning:
         blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
-    if result.content.strip() or not (blocks or result.tool_calls):
-        blocks.append({"type": "text", "text": result.content})
+    text = result.refusal or result.content
+    if text.strip() or not (blocks or result.tool_calls):
+        cited = text_citations(text) if citations and not result.refusal else []
+        blocks.append({"type": "text", "text": text} | ({"citations": cited} if cited else {}))
     blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in result.tool_calls]
     return blocks
+
+
+def text_citations(text: str) -> list[dict]:
+    """The links ``text`` cites as Anthropic text-block citations (of the URL-bearing kind)."""
+    return [{"type": "web_search_result_location", "cited_text": text[c.start:c.end], "url": c.url,
+             "title": c.title, "encrypted_index": ""} for c in extract_citations(text)]
 
 
 def sse(kind: str, data: dict) -> bytes:
@@ -294,13 +306,17 @@ class BlockStream:
     """Turn events into content_block_start / _delta / _stop events, one block per run of a kind.
 
     Whitespace before a text block's first visible character is held back, so the newlines
-    a model writes between tool calls do not become blocks of their own.
+    a model writes between tool calls do not become blocks of their own. A refusal is text; with
+    ``citations``, a text block's links go out as ``citations_delta``s before it stops.
     """
 
-    def __init__(self):
+    def __init__(self, *, citations: bool = False):
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self._blank = ""
+        self._citations = citations
+        self._text: list[str] = []  # the open text block's (for its citations)
+        self._refusal = False  # the open text block is a refusal (it cites nothing)
 
     def feed(self, event) -> list[bytes]:
         out: list[bytes] = []
@@ -308,7 +324,7 @@ class BlockStream:
             if self.open != "thinking":
                 out += self._start({"type": "thinking", "thinking": "", "signature": ""})
             out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
-        elif isinstance(event, ContentDelta) and event.text:
+        elif isinstance(event, (ContentDelta, RefusalDelta)) and event.text:
             text = event.text
             if self.open != "text":
                 if not (self._blank + text).strip():
@@ -316,6 +332,8 @@ class BlockStream:
                     return out
                 text, self._blank = self._blank + text, ""
                 out += self._start({"type": "text", "text": ""})
+            self._refusal = isinstance(event, RefusalDelta)
+            self._text.append(text)
             out.append(self._delta({"type": "text_delta", "text": text}))
         elif isinstance(event, ToolCallDelta):
             if event.id is not None:
@@ -330,8 +348,11 @@ class BlockStream:
             return self._start({"type": "text", "text": ""}) + self.close()
         if self.open is None:
             return []
-        self.open = None
-        return [sse("content_block_stop", {"index": self.index})]
+        out = []
+        if self.open == "text" and self._citations and not self._refusal:
+            out = [self._delta({"type": "citations_delta", "citation": c}) for c in text_citations("".join(self._text))]
+        self.open, self._text = None, []
+        return out + [sse("content_block_stop", {"index": self.index})]
 
     def _start(self, block: dict) -> list[bytes]:
         out = self.close() if self.index >= 0 else []
@@ -357,7 +378,7 @@ async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnPars
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
     yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                             "usage": usage}}) + sse("ping", {})
-    blocks = BlockStream()
+    blocks = BlockStream(citations=parser.citations)
     try:
         async with aclosing(turn_events(fanin, parser)) as events:
             async for event in events:  # the SSE events of one turn event go out in one write

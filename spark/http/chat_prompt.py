@@ -35,6 +35,7 @@ import attrs
 from spark.engine.chat_template import ChatTemplateError
 from spark.http.errors import ApiError
 from spark.parsers import detect_tool_parser, prompt_ends_in_thinking
+from spark.parsers.refusal import DEFAULT_PATTERNS as DEFAULT_REFUSAL_PATTERNS
 
 EFFORT_BUDGETS = {"minimal": 128, "low": 512, "medium": 2048, "high": 8192}  # reasoning_effort -> tokens
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template"})
@@ -51,6 +52,8 @@ class ChatFormat:
     reasoning: bool  # split <think> blocks off as reasoning
     thinking_allowed: bool = True  # False (the server's disable_thinking): off, whatever a request says
     max_thinking_budget: int | None = None  # reasoning tokens at most per request; None: unlimited
+    refusal_patterns: tuple[str, ...] = ()  # openings that make an answer a refusal (spark.parsers.refusal); (): off
+    citations: bool = False  # extract the answer's links as citations (spark.parsers.citations)
 
 
 def chat_format(config, tokenizer) -> ChatFormat:
@@ -58,7 +61,7 @@ def chat_format(config, tokenizer) -> ChatFormat:
 
     Args:
       config: the ``ServeConfig`` (``tool_call_parser``, ``reasoning_parser``, ``max_thinking_budget``,
-        ``disable_thinking``).
+        ``disable_thinking``, ``refusal_filter``, ``refusal_patterns``, ``citations``).
       tokenizer: the model's tokenizer (its chat template and vocabulary), or None.
 
     Returns:
@@ -70,8 +73,9 @@ def chat_format(config, tokenizer) -> ChatFormat:
     tool_parser = detect_tool_parser(template) if name in (None, "auto") else None if name == "none" else name
     mode = config.reasoning_parser
     has_think = "<think>" in template or (tokenizer is not None and tokenizer.token_to_id("<think>") is not None)
+    refusals = (tuple(config.refusal_patterns) or DEFAULT_REFUSAL_PATTERNS) if config.refusal_filter else ()
     return ChatFormat(tool_parser, mode == "think" or (mode == "auto" and has_think),
-                      not config.disable_thinking, config.max_thinking_budget)
+                      not config.disable_thinking, config.max_thinking_budget, refusals, config.citations)
 
 
 def _template_text(tokenizer) -> str:

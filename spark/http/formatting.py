@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 from spark.actors.messages import TokenLogprob
 from spark.parsers import ReasoningDelta, ToolCallDelta, to_openai_tool_call_deltas
+from spark.parsers.citations import Citation
+from spark.parsers.refusal import RefusalDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
@@ -81,17 +83,29 @@ def chat_chunk(head: dict, index: int, delta: dict, *, finish_reason: str | None
 
 
 def chat_delta(event) -> dict:
-    """The ``delta`` of a chunk carrying one ``spark.http.turn`` event (content, reasoning or a call)."""
+    """The ``delta`` of a chunk carrying one ``spark.http.turn`` event (content, reasoning, refusal or a call)."""
     if isinstance(event, ReasoningDelta):
         return {"reasoning_content": event.text}
+    if isinstance(event, RefusalDelta):
+        return {"refusal": event.text}
     if isinstance(event, ToolCallDelta):
         return {"tool_calls": to_openai_tool_call_deltas([event])}
     return {"content": event.text}
 
 
+def url_citations(citations: Sequence[Citation]) -> list[dict]:
+    """Chat completions' ``annotations``: one ``url_citation`` per citation."""
+    return [{"type": "url_citation", "url_citation": {"start_index": c.start, "end_index": c.end, "url": c.url,
+                                                      "title": c.title}} for c in citations]
+
+
 def chat_message(result, *, reasoning: bool) -> dict:
-    """The assistant ``message`` of a ``TurnResult``: content (None when only calls), calls, reasoning."""
-    message = {"role": "assistant", "content": result.content or (None if result.tool_calls else "")}
+    """The assistant ``message`` of a ``TurnResult``: content (None when only calls, or a refusal), refusal
+    (None unless the answer refused), calls, reasoning, and the content's links as ``annotations``."""
+    message = {"role": "assistant", "content": result.content or (None if result.tool_calls or result.refusal else ""),
+               "refusal": result.refusal or None}
+    if result.citations:
+        message["annotations"] = url_citations(result.citations)
     if reasoning:
         message["reasoning_content"] = result.reasoning or None
     if result.tool_calls:

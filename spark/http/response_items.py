@@ -11,7 +11,8 @@ from typing import Any
 import attrs
 
 from spark.http.errors import ApiError
-from spark.http.turn import ContentDelta, ReasoningDelta, ToolCallDelta
+from spark.http.turn import ContentDelta, ReasoningDelta, RefusalDelta, ToolCallDelta
+from spark.parsers.citations import extract_citations
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -67,6 +68,9 @@ def _text(content: object, param: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
             raise ApiError(400, f"this model reads text only: {kind} parts are not supported", param=f"{param}[{j}]")
+        if kind == "refusal" and isinstance(part.get("refusal"), str):  # an earlier answer that refused
+            texts.append(part["refusal"])
+            continue
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ApiError(400, f"unsupported content part {kind!r}", param=f"{param}[{j}]")
         texts.append(part["text"])
@@ -193,13 +197,16 @@ class OutputBuilder:
 
     One item per run of a kind: reasoning, a message, or a function call. Whitespace before a
     message's first visible character is held back (the newlines between tool calls make no item).
+    A refusal is a message whose part is ``{"type": "refusal"}``. With ``citations``, a message's
+    links become its text's ``url_citation`` annotations when it ends.
     ``output`` holds the items, final once ``close`` was called.
     """
 
-    def __init__(self):
+    def __init__(self, *, citations: bool = False):
         self.output: list[dict] = []
         self._open: dict | None = None
         self._blank = ""
+        self._citations = citations
 
     def feed(self, event) -> list[dict]:
         out: list[dict] = []
@@ -218,6 +225,13 @@ class OutputBuilder:
                 out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
                                  {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
             out.append(self._text_delta("response.output_text.delta", text, logprobs=[]))
+        elif isinstance(event, RefusalDelta) and event.text:
+            if not self._is_open("message") or self._open["content"][0]["type"] != "refusal":
+                out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
+                                 {"type": "refusal", "refusal": ""})
+            self._open["content"][0]["refusal"] += event.text
+            out.append({"type": "response.refusal.delta", "item_id": self._open["id"],
+                        "output_index": len(self.output) - 1, "content_index": 0, "delta": event.text})
         elif isinstance(event, ToolCallDelta):
             if event.id is not None:
                 out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": event.id,
@@ -265,12 +279,20 @@ class OutputBuilder:
                         "name": item["name"], "arguments": item["arguments"]})
         elif item["content"]:
             part = item["content"][0]
-            kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if part["type"] == "output_text" else {}
-            out += [{"type": kind, "item_id": item["id"], "output_index": index, "content_index": 0,
-                     "text": part["text"], **extra},
-                    {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
-                     "content_index": 0, "part": dict(part)}]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            if part["type"] == "refusal":
+                out.append({"type": "response.refusal.done", **where, "refusal": part["refusal"]})
+            else:
+                if part["type"] == "output_text" and self._citations:
+                    for n, c in enumerate(extract_citations(part["text"])):
+                        part["annotations"].append({"type": "url_citation", "start_index": c.start,
+                                                    "end_index": c.end, "url": c.url, "title": c.title})
+                        out.append({"type": "response.output_text.annotation.added", **where, "annotation_index": n,
+                                    "annotation": part["annotations"][-1]})
+                kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
+                extra = {"logprobs": []} if part["type"] == "output_text" else {}
+                out.append({"type": kind, **where, "text": part["text"], **extra})
+            out.append({"type": "response.content_part.done", **where, "part": dict(part)})
         if item["type"] != "reasoning":
             item["status"] = status
         out.append({"type": "response.output_item.done", "output_index": index, "item": item})

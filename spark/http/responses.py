@@ -205,7 +205,7 @@ class _Run:
 
     async def events(self, fanin: FanIn, parser: TurnParser, *, stream: bool):
         """The ``response.*`` events (without sequence numbers); the last one carries the final response."""
-        builder = OutputBuilder()
+        builder = OutputBuilder(citations=parser.citations)
         yield {"type": "response.created", "response": self.head}
         yield {"type": "response.in_progress", "response": self.head}
         try:

@@ -230,7 +230,8 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
                     completion_tokens += done.usage.completion_tokens
                     cached = max(cached, done.usage.cached_tokens)
                     ended += 1
-                    out.append(fmt.sse(fmt.chat_chunk(head, i, {}, finish_reason=done.finish_reason)))
+                    last = {"annotations": fmt.url_citations(done.result.citations)} if done.result.citations else {}
+                    out.append(fmt.sse(fmt.chat_chunk(head, i, last, finish_reason=done.finish_reason)))
                 if out and ended < len(parsers):
                     yield b"".join(out)
                     out.clear()

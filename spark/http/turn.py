@@ -9,7 +9,7 @@ response from the events below; nothing here knows a wire format.
     # ^ renders the chat template: call it off the event loop (trio.to_thread.run_sync)
     request = GenerateRequest(rid, turn.prompt.prompt_ids, turn.sampling(params), stop=stops)
     async for choice, piece, events in turn_steps(fanin, parsers):   # what the HTTP routes read
-        ...  # ContentDelta(text) | ReasoningDelta(text) | ToolCallDelta(index, id, name, arguments)
+        ...  # ContentDelta(text) | ReasoningDelta(text) | RefusalDelta(text) | ToolCallDelta(index, id, name, arguments)
              # then exactly one TurnDone(result, finish_reason, usage, stop_string, error) per choice, last
 
 The routes submit through ``spark.http.spine`` (a ``FanIn`` of the request's choices, one parser
@@ -31,6 +31,11 @@ constrained decoding exists, a reply that breaks it ends the turn with ``TurnDon
 its deltas; a missing call is known at the end (a reply cut off by max_tokens ends "length"). With
 ``parallel_tool_calls=False`` only the first call is kept. Calls to tools that were not offered are
 returned with ``unknown=True``; they do not satisfy "required".
+
+Refusals and citations (the server's ``ChatFormat``): an answer that opens with one of the refusal
+patterns streams as ``RefusalDelta``s and ends in ``TurnResult.refusal`` (``spark.parsers.refusal``);
+the links of an answer are ``TurnResult.citations`` (``spark.parsers.citations``). Each API writes
+them in its own fields.
 
 Finish reasons: "tool_calls" when calls were made and the model stopped; else the engine's
 "stop" or "length" ("length" wins over calls: a cut-off call may be incomplete); "error" with
@@ -57,9 +62,12 @@ from spark.http.errors import ApiError
 from spark.http.fanin import StreamFailed, tagged
 from spark.parsers import (ChatOutputParser, ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta,
                            to_openai_tool_calls)
+from spark.parsers.citations import Citation, extract_citations
+from spark.parsers.refusal import RefusalDelta, RefusalFilter
 
 __all__ = [
-    "EFFORT_BUDGETS", "ChatFormat", "ContentDelta", "PreparedTurn", "ReasoningDelta", "RenderedPrompt", "ToolCall",
+    "EFFORT_BUDGETS", "ChatFormat", "Citation", "ContentDelta", "PreparedTurn", "ReasoningDelta", "RefusalDelta",
+    "RenderedPrompt", "ToolCall",
     "ToolCallDelta", "ToolChoice", "TurnDone", "TurnEvent", "TurnParser", "TurnResult", "TurnStream", "Usage",
     "chat_format", "check_tools", "effort_thinking", "engine_thinking_budget", "prepare_turn", "render_chat",
     "collect_turn", "run_turn", "template_messages", "turn_events", "turn_steps",
@@ -85,6 +93,8 @@ class TurnResult:
     content: str
     reasoning: str
     tool_calls: tuple[ToolCall, ...] = ()  # .id, .name, .arguments (a dict), .unknown
+    refusal: str = ""  # the answer, when it refused (content is then empty)
+    citations: tuple[Citation, ...] = ()  # the links in content, when the server extracts them
 
     def openai_tool_calls(self) -> list[dict[str, Any]]:
         """``[{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}]``."""
@@ -103,7 +113,7 @@ class TurnDone:
     # 500 generation_failed, or 422 tool_choice_not_satisfied (``.status``, ``.code``, ``.message``)
 
 
-TurnEvent = ContentDelta | ReasoningDelta | ToolCallDelta | TurnDone
+TurnEvent = ContentDelta | ReasoningDelta | RefusalDelta | ToolCallDelta | TurnDone
 
 
 class TurnParser:
@@ -117,12 +127,17 @@ class TurnParser:
       tool_choice: checked against the calls (see the module docstring).
       parallel_tool_calls: False keeps only the first call.
       id_prefix: call ids are this plus 8 hex digits (default: random).
+      refusal_patterns: an answer that opens with one is a refusal (``RefusalDelta``s, ``TurnResult.refusal``).
+      citations: extract the links of the answer (``TurnResult.citations``).
     """
 
     def __init__(self, tool_parser: str | None, reasoning: bool, tools: Sequence[Mapping[str, Any]] | None = None,
                  prompt_ends_in_thinking: bool = False, *, tool_choice: ToolChoice = ToolChoice(),
-                 parallel_tool_calls: bool = True, id_prefix: str | None = None):
+                 parallel_tool_calls: bool = True, id_prefix: str | None = None,
+                 refusal_patterns: Sequence[str] = (), citations: bool = False):
         self.reasoning = reasoning  # whether a response should show a reasoning field
+        self.citations = citations
+        self._refusals = RefusalFilter(refusal_patterns)
         self.tool_choice = tool_choice
         self.parallel_tool_calls = parallel_tool_calls
         self._stream = ChatOutputParser(tool_parser, reasoning, tools, prompt_ends_in_thinking, id_prefix=id_prefix)
@@ -139,13 +154,17 @@ class TurnParser:
 
     def flush(self) -> list[TurnEvent]:
         """Mark the end of the output; returns the deltas held back until now."""
-        return self._keep(self._stream.flush())
+        events = self._keep(self._stream.flush())
+        return events + (self._refusals.flush() if self._violation is None else [])
 
     def finish(self) -> TurnResult:
         """The whole reply (call ``flush`` first to get the last deltas)."""
         out = self._stream.finish()
-        return TurnResult(out.content, out.reasoning, tuple(out.tool_calls if self.parallel_tool_calls
-                                                            else out.tool_calls[:1]))
+        calls = tuple(out.tool_calls if self.parallel_tool_calls else out.tool_calls[:1])
+        if self._refusals.refused:
+            return TurnResult("", out.reasoning, calls, refusal=out.content.lstrip())
+        return TurnResult(out.content, out.reasoning, calls,
+                          citations=extract_citations(out.content) if self.citations else ())
 
     def step(self, piece: RequestOutput) -> list[TurnEvent]:
         """Turn one engine piece into events; the last piece's events end with a ``TurnDone``.
@@ -211,7 +230,7 @@ class TurnParser:
                 self._held.append(event)
                 continue
             out.append(event)
-        return out
+        return self._refusals.feed(out)
 
 
 # -- a turn end to end ----------------------------------------------------------------------
@@ -239,7 +258,8 @@ class PreparedTurn:
         """A fresh parser for one reply (one per choice)."""
         return TurnParser(self.tool_parser if self.tools else None, self.fmt.reasoning, self.tools,
                           self.prompt.prompt_ends_in_thinking, tool_choice=self.tool_choice,
-                          parallel_tool_calls=self.parallel_tool_calls, id_prefix=id_prefix)
+                          parallel_tool_calls=self.parallel_tool_calls, id_prefix=id_prefix,
+                          refusal_patterns=self.fmt.refusal_patterns, citations=self.fmt.citations)
 
 
 def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any]], *,

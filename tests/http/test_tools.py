@@ -235,7 +235,8 @@ def test_server_parser_setting():
     tok = qwen_like_tokenizer()
     assert chat_format(ServeConfig(), tok).tool_parser == "hermes"
     assert chat_format(ServeConfig(tool_call_parser="minimax"), tok).tool_parser == "minimax"
-    assert chat_format(ServeConfig(), smollm_tokenizer()) == ChatFormat(None, False)  # SmolLM2: no tools, no <think>
+    plain = chat_format(ServeConfig(refusal_filter=False, citations=False), smollm_tokenizer())
+    assert plain == ChatFormat(None, False)  # SmolLM2: no tools, no <think>
     off = chat_format(ServeConfig(tool_call_parser="none"), tok)
     assert off.tool_parser is None
     parser = prepare_turn(tok, off, [{"role": "user", "content": "x"}], tools=TOOLS).parser()
