@@ -30,8 +30,10 @@ ADMIN = "sk-portal-admin-9876543210"
 RECIPES = {
     "tiny": "served_name: tiny\nengine: spark\nmodel: dummy\ndummy:\n  preset: tiny-llama\n"
             "  config: {max_position_embeddings: 4096}\n",
-    "smol": "served_name: smol\nengine: spark\nmodel: default\n",
+    "smol": "served_name: smol\nengine: spark\nmodel: default\nroi_profile: cloud-small\n",
 }
+ROI_PROFILES = "profiles:\n  cloud-small: {name: Cloud Small, provider: acme, model: small-1}\n"
+PRICES = {"cloud-small": {"in": 1.5, "out": 6.0}}  # USD per million tokens
 # As root in a container with no network: no sandbox, no GPU, nothing fetched in the background.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                  "--disable-background-networking", "--disable-component-update"]
@@ -77,7 +79,10 @@ def server(tmp_path_factory):
     recipes.mkdir()
     for name, body in RECIPES.items():
         (recipes / f"{name}.yaml").write_text(f"id: {name}\n{body}")
-    config = ServeConfig(recipes_dir=str(recipes), recipe="tiny", device="cpu", max_model_len=512,
+    (recipes / "roi-profiles.yaml").write_text(ROI_PROFILES)
+    (root / "config").mkdir()
+    (root / "config" / "inference-pricing.json").write_text(json.dumps(PRICES))
+    config = ServeConfig(config_dir=str(root / "config"), recipes_dir=str(recipes), recipe="tiny", device="cpu", max_model_len=512,
                          kv_cache_bytes=64 << 20, max_batch_size=8, api_keys=(KEY,), admin_key=ADMIN,
                          switch_grace_s=5.0, activity_log_path=str(root / "activity.jsonl"),
                          usage_path=str(root / "usage.json"))
@@ -129,10 +134,12 @@ def _usage_in_chart(page: Page) -> dict:
     return out
 
 
-def _usage_from_api(server) -> dict:
+def _usage_from_api(server) -> tuple[dict, dict]:
+    """(recipe, window) -> counts, and the ROI profiles' costs: what /api/inference/usage says."""
     with server.http(ADMIN) as http:
-        recipes = http.get("/api/inference/usage").json()["recipes"]
-    return {(recipe, window): counts for recipe, windows in recipes.items() for window, counts in windows.items()}
+        usage = http.get("/api/inference/usage").json()
+    counts = {(recipe, window): c for recipe, windows in usage["recipes"].items() for window, c in windows.items()}
+    return counts, usage["roi"]["profiles"]
 
 
 def test_switch_chat_and_usage_through_the_page(server, page):
@@ -174,11 +181,17 @@ def test_switch_chat_and_usage_through_the_page(server, page):
 
     deadline = time.monotonic() + 30
     while True:  # the page polls; the request is counted once its stream has ended
-        chart, api = _usage_in_chart(page), _usage_from_api(server)
+        chart, (api, roi) = _usage_in_chart(page), _usage_from_api(server)
         if chart == api and api.get(("smol", "total"), {}).get("requests"):
             break
         assert time.monotonic() < deadline, (chart, api)
         time.sleep(0.5)
+    costs = page.locator("#roi-table tr[data-profile=cloud-small] td[data-window]").evaluate_all(
+        "tds => Object.fromEntries(tds.map(td => [td.dataset.window, [+td.dataset.usd, td.textContent]]))")
+    total = (api["smol", "total"]["prompt_tokens"] * 1.5 + api["smol", "total"]["completion_tokens"] * 6.0) / 1e6
+    assert roi["cloud-small"]["total"] == pytest.approx(total, abs=1e-6)  # the API rounds to 1e-6 USD
+    assert costs["total"][0] == roi["cloud-small"]["total"] and costs["hour"][0] == roi["cloud-small"]["hour"]
+    assert float(costs["total"][1].removeprefix("$")) == pytest.approx(roi["cloud-small"]["total"], rel=0.05)
     assert chart[("smol", "hour")]["requests"] == chart[("smol", "total")]["requests"] == 1
     assert chart[("tiny", "day")]["requests"] == 1 and chart[("tiny", "day")]["prompt_tokens"] > 0
     rows = page.locator("#usage-table tbody tr[data-recipe=smol][data-window=total] td").all_inner_texts()

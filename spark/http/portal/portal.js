@@ -227,12 +227,13 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 // -- usage ---------------------------------------------------------------------------------------
 
 async function refreshUsage() {
-  let usage;
+  let usage, roi;
   try {
-    usage = (await api("/api/inference/usage")).recipes;
+    ({recipes: usage, roi} = await api("/api/inference/usage"));
   } catch (_) {
     return;  // the status line says why
   }
+  drawRoi(roi);
   const ids = new Set(Object.keys(usage));
   for (const r of (lastStatus ? lastStatus.recipes : [])) if (r.state === "active") ids.add(r.id);
   const rows = [...ids].sort().map((id) => ({id, windows: usage[id] || {}}));
@@ -282,6 +283,20 @@ function drawUsageTable(rows) {
     return h("tr", {"data-recipe": row.id, "data-window": key}, h("td", {}, row.id), h("td", {}, label),
       h("td", {}, fmtInt(w.requests)), h("td", {}, fmtInt(w.prompt_tokens)), h("td", {}, fmtInt(w.completion_tokens)));
   })));
+}
+
+function fmtUsd(v) {
+  if (v === null || v === undefined) return "no price";
+  return `$${v === 0 ? "0" : v >= 1 ? v.toFixed(2) : v >= 0.01 ? v.toFixed(4) : v.toPrecision(2)}`;
+}
+
+/** What each ROI profile's recipes' tokens would have cost on its cloud model (hidden when none is tagged). */
+function drawRoi(roi) {
+  const profiles = Object.entries((roi && roi.profiles) || {}).sort(([a], [b]) => a.localeCompare(b));
+  $("roi-table").hidden = !profiles.length;
+  $("roi-table").tBodies[0].replaceChildren(...profiles.map(([id, p]) => h("tr", {"data-profile": id},
+    h("td", {title: `recipes: ${p.recipes.join(", ")}`}, id), h("td", {}, `${p.provider} ${p.model}`),
+    ...WINDOWS.map(([key]) => h("td", {"data-window": key, "data-usd": p[key] === null ? "" : p[key]}, fmtUsd(p[key]))))));
 }
 
 // -- logs and activity ---------------------------------------------------------------------------
