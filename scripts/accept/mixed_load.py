@@ -17,7 +17,10 @@ Pass criteria:
 
 Drifts are signed (last / first - 1): a minute that got faster or smaller fails nothing. The summary
 also has each window's p50 TTFT and p50 time per content chunk after the first, which do not depend
-on how long the answers were.
+on how long the answers were. ``server_minutes`` says per minute what the server did (from /metrics:
+prefix-cache hit rate, prefill tokens and steps per request, ms per step) and how fast the host was
+(``probe_ms``, a fixed piece of Python work timed in a process of its own); ``probe_drift`` is the host's
+own slowdown between the two windows, since this VM's speed moves by up to 40% within minutes.
 
 Run: ``python scripts/accept/mixed_load.py [--minutes 10] [--clients 4]`` on a quiet machine; prints one
 JSON summary and exits 1 when a check fails. Each client goes round the cycle from a place drawn by one seeded generator per
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import sys
 import threading
@@ -145,6 +149,68 @@ def stats(requests: list[dict], rss: list[tuple[float, int]], start: float, end:
             "rss_mb": round(median(memory) / 2**20, 1) if memory else None}
 
 
+# What the server did, scraped from /metrics each ``--rss-interval``: counters are differenced per minute
+# in the summary's ``server_minutes`` (prefix-cache hit rate, prefill tokens and steps per request, seconds
+# per step), gauges are taken as they stood at the minute's end.
+SERVER_SERIES = ("spark_prefix_cache_queried_tokens_total", "spark_prefix_cache_hit_tokens_total",
+                 "spark_prefix_cache_evictions_total", "spark_prefix_cache_pages", "spark_prefix_cache_pinned_pages",
+                 "spark_kv_pages_used", "spark_kv_pages_total", "spark_step_seconds_count", "spark_step_seconds_sum",
+                 "spark_step_prefill_tokens_sum", "spark_step_decode_rows_sum", "spark_prompt_tokens_total",
+                 "spark_generation_tokens_total")
+
+
+def scrape(server: SparkServer) -> dict[str, float]:
+    try:
+        return {k: v for k, v in server.metrics().items() if k in SERVER_SERIES}
+    except httpx.HTTPError:
+        return {}
+
+
+def probe_speed(until: float, out: "multiprocessing.Queue") -> None:
+    """In a process of its own: every 5 s, the seconds a fixed piece of Python work takes. The VM's
+    speed moves by up to 40% within minutes; this says how fast the machine was in each minute, so that
+    a latency drift can be told from the host's."""
+    while time.monotonic() < until:
+        t0 = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        out.put((time.time(), time.perf_counter() - t0))
+        time.sleep(5.0)
+
+
+def window_probe(probes: list[tuple[float, float]], start: float, end: float) -> float:
+    inside = [v for t, v in probes if start <= t < end]
+    return median(inside) if inside else float("nan")
+
+
+def server_minutes(samples: list[tuple[float, dict]], requests: list[dict], total: float,
+                   probes: list[tuple[float, float]]) -> list[dict]:
+    """Per minute: the counters' growth and the gauges at its end (a drift's cause: hit rate, prefill work)."""
+    rows = []
+    for start in range(0, int(total), 60):
+        inside = [(t, v) for t, v in samples if start <= t < start + 60 and v]
+        if len(inside) < 2:
+            continue
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        d = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in SERVER_SERIES}
+        steps = d["spark_step_seconds_count"] or 1.0
+        done = len([r for r in window(requests, start, start + 60) if "error" not in r]) or 1
+        rows.append({
+            "minute": start // 60, "requests": done,
+            "probe_ms": round3(1e3 * median(v for t, v in probes if start <= t < start + 60)) if any(
+                start <= t < start + 60 for t, _ in probes) else None,
+            "hit_rate": round3(d["spark_prefix_cache_hit_tokens_total"] / (d["spark_prefix_cache_queried_tokens_total"] or 1)),
+            "prompt_tokens_per_request": round3(d["spark_prompt_tokens_total"] / done),
+            "prefill_tokens_per_request": round3(d["spark_step_prefill_tokens_sum"] / done),
+            "steps_per_request": round3(steps / done),
+            "ms_per_step": round3(1e3 * d["spark_step_seconds_sum"] / steps),
+            "decode_rows_per_step": round3(d["spark_step_decode_rows_sum"] / steps),
+            "evictions": d["spark_prefix_cache_evictions_total"],
+            "cached_pages": b.get("spark_prefix_cache_pages"), "pinned_pages": b.get("spark_prefix_cache_pinned_pages"),
+            "pages_total": b.get("spark_kv_pages_total"),
+        })
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="measured minutes, after the warm-up")
@@ -162,18 +228,29 @@ def main() -> int:
 
     requests: list[dict] = []
     rss: list[tuple[float, int]] = []
+    series: list[tuple[float, dict]] = []
     with SparkServer({"SPARK_API_KEYS": key}, log_level="WARNING") as server:
         t0 = time.monotonic()
         until = t0 + total
+        wall0 = time.time()
+        probe_queue: multiprocessing.Queue = multiprocessing.Queue()
+        prober = multiprocessing.Process(target=probe_speed, args=(until, probe_queue), daemon=True)
+        prober.start()
         threads = [threading.Thread(target=client, args=(i, server.url, key, seed, until, t0, requests))
                    for i in range(args.clients)]
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
             rss.append((time.monotonic() - t0, server.rss_bytes()))
+            series.append((time.monotonic() - t0, scrape(server)))
             time.sleep(args.rss_interval)
         for t in threads:
             t.join()
+        prober.join(timeout=10)
+        probes = []
+        while not probe_queue.empty():
+            at, seconds = probe_queue.get()
+            probes.append((at - wall0, seconds))
         alive = server.proc.poll() is None
 
     errors = [r for r in requests if "error" in r]
@@ -194,8 +271,12 @@ def main() -> int:
         "warmup": stats(requests, rss, 0, warm), "first_minute": first, "last_minute": last,
         "whole_measured": stats(requests, rss, warm, total),
         "rss_drift": round3(rss_drift), "p50_drift": round3(p50_drift),
+        # the host's own slowdown over the same windows (a fixed piece of Python work: speed_probe)
+        "probe_drift": round3(window_probe(probes, total - args.window_s, total)
+                              / window_probe(probes, warm, warm + args.window_s) - 1) if probes else None,
         "rss_mb_min_max": [round(min(v for _, v in rss) / 2**20, 1), round(max(v for _, v in rss) / 2**20, 1)],
         "server_alive": alive,
+        "server_minutes": server_minutes(series, requests, total, probes),
     }
     checks = {
         "no_errors": not errors,
