@@ -4,7 +4,8 @@ A line holds the time, recipe, model name, a short hash of the API key (never th
 key, never a header), prompt and completion tokens, latency and status. The log is
 two files: the live one and ``<path>.1``. The live file rotates when it passes half
 the byte budget or half the age budget, so the two together hold at most about
-``max_bytes`` and nothing much older than ``max_age_s``.
+``max_bytes`` and nothing much older than ``max_age_s``. ``rollup`` sums the last hour
+and day per client, recipe and endpoint (``GET /api/inference/activity``).
 """
 
 from __future__ import annotations
@@ -128,6 +129,31 @@ class ActivityLog:
                 continue  # a line cut by a crash
         return out
 
+    def rollup(self, windows: tuple[tuple[str, float], ...] = (("hour", 3600.0), ("day", 86400.0))) -> dict:
+        """The activity of the last hour and day (``windows``): requests, errors and tokens, in all and per
+        client (the key's id), recipe and endpoint. Reads the log; call it off the event loop."""
+        now = self._clock()
+        out = {label: _tally_row(by=True) for label, _ in windows}
+        longest = max(span for _, span in windows)
+        for path in (self.rotated, self.path):
+            try:
+                if now - path.stat().st_mtime > longest:
+                    continue  # nothing in it is recent enough
+                f = open(path, encoding="utf-8")
+            except FileNotFoundError:
+                continue
+            with f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                        age = now - float(record["ts"])
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut by a crash
+                    for label, span in windows:
+                        if age < span:
+                            _count(out[label], record)
+        return out
+
     def _rotate_if_due(self, now: float, incoming: int) -> None:
         if self.rotated.exists() and now - self.rotated.stat().st_mtime > self.max_age_s:
             self.rotated.unlink()  # everything in it is past the age budget
@@ -148,3 +174,21 @@ class ActivityLog:
                 return float(json.loads(f.readline())["ts"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+
+def _tally_row(*, by: bool = False) -> dict:
+    row = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    return {**row, "clients": {}, "recipes": {}, "endpoints": {}} if by else row
+
+
+def _count(window: dict, record: dict) -> None:
+    failed = int(record.get("status", 200) >= 400 or record.get("outcome", "ok") not in ("ok", "disconnected"))
+    rows = [window]
+    for group, key in (("clients", record.get("key_id") or "anonymous"), ("recipes", record.get("recipe") or "-"),
+                       ("endpoints", record.get("endpoint") or "-")):
+        rows.append(window[group].setdefault(str(key), _tally_row()))
+    for row in rows:
+        row["requests"] += 1
+        row["errors"] += failed
+        row["prompt_tokens"] += int(record.get("prompt_tokens") or 0)
+        row["completion_tokens"] += int(record.get("completion_tokens") or 0)

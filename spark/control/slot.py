@@ -308,6 +308,24 @@ class Slot:
                       f"{self.active.served_name if self.active else 'nothing'}); retry shortly",
                       retry_after=self.eta())
 
+    def lookup(self, name: str | None) -> Recipe:
+        """The recipe ``name`` means now, starting nothing (a route only an upstream serves asks this).
+
+        Raises:
+            Refusal: 404 unknown name; 503 when a reserved name finds nothing active.
+        """
+        if name is None or name in RESERVED_NAMES:
+            if self.state == "active":
+                return self.active
+            raise self._not_ready()
+        if self.state == "active" and name in self.active.names:
+            return self.active
+        recipe = self.catalog.by_name(name)
+        if recipe is None:
+            raise Refusal(404, "model_not_found",
+                          f"model {name!r} does not exist; known: {', '.join(self.known_names()) or 'none'}")
+        return recipe
+
     def _not_ready(self) -> Refusal:
         if self.switching:
             return Refusal(503, "model_loading", f"the server is {self._under_way()}; retry shortly",
@@ -355,6 +373,8 @@ class Slot:
                         "recipe": recipe.id, "state": state, "engine": recipe.engine}
                 if name != recipe.served_name:
                     card["alias_of"] = recipe.served_name
+                if recipe.catalog_id:
+                    card["catalog_id"] = recipe.catalog_id
                 if state == "active" and self.model is not None:
                     card["max_model_len"] = self.model.max_model_len
                 elif recipe.context.default:
@@ -373,8 +393,6 @@ class Slot:
         """The card of ``name`` (``sparky``: the active model's), or None when there is none."""
         if name in RESERVED_NAMES:
             if self.state != "active":
-                if recipe.catalog_id:
-                    card["catalog_id"] = recipe.catalog_id
                 return None
             name = self.active.served_name
         return next((card for card in self.model_cards(created) if card["id"] == name), None)
@@ -387,6 +405,8 @@ class Slot:
             recipes.append({"id": recipe.id, "name": recipe.display_name, "served_name": recipe.served_name,
                             "aliases": list(recipe.aliases), "engine": recipe.engine, "model": recipe.model,
                             "lifecycle": recipe.lifecycle, "tier": recipe.tier, "draft": recipe.draft,
+                            "enabled": self.catalog.is_enabled(recipe), "catalog_id": recipe.catalog_id,
+                            "roi_profile": self.catalog.roi.profile_of(recipe)[0],
                             "state": state, "reason": reason})
         active = None
         if self.active is not None:
@@ -406,7 +426,5 @@ class Slot:
         self.state, self.since = state, time.time()
 
     def _event(self, kind: str, recipe_id: str | None, detail: str) -> None:
-                            "enabled": self.catalog.is_enabled(recipe), "catalog_id": recipe.catalog_id,
-                            "roi_profile": self.catalog.roi.profile_of(recipe)[0],
         self.events.append({"time": time.time(), "event": kind, "recipe": recipe_id, "detail": detail})
         log.info("slot: %s %s: %s", kind, recipe_id, detail)

@@ -96,7 +96,7 @@ class Upstreams:
             drop_usage = not options.get("include_usage")
             body["stream_options"] = {**options, "include_usage": True}
         client = self.client(recipe)
-        request = client.build_request("POST", path.removeprefix("/v1"), json=body)
+        request = client.build_request("POST", _upstream_path(recipe, path), json=body)
         try:
             response = await client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -116,6 +116,20 @@ class Upstreams:
         if response.status_code == 200:
             data = _rewrite(data, tally, recipe.served_name)
         return Relayed(response.status_code, content_type, data, retry_after)
+
+
+def upstream_port(recipe: Recipe) -> int:
+    """The port the upstream of ``recipe`` listens on (``X-Spark-Upstream-Port``)."""
+    url = httpx.URL(recipe.upstream.base_url)
+    return url.port or (443 if url.scheme == "https" else 80)
+
+
+def _upstream_path(recipe: Recipe, path: str) -> str:
+    """Where ``path`` of Spark's is on the upstream: ``/v1/x`` under its base URL (which ends in /v1),
+    any other path (``/tokenize``) at the root of its host, as vLLM and llama.cpp serve them."""
+    if path.startswith("/v1/"):
+        return path.removeprefix("/v1")
+    return str(httpx.URL(recipe.upstream.base_url).copy_with(path=path, query=None))
 
 
 def _unreachable(recipe: Recipe, exc: Exception) -> str:

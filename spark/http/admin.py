@@ -4,6 +4,7 @@
     POST /api/inference/up    {"id", "grace_s"?, "wait"?}   switch to a recipe (202; 200 once done with wait)
     POST /api/inference/down  {"grace_s"?}   unload the active model
     GET  /api/inference/logs?n=50            slot events and the last activity lines
+    GET  /api/inference/activity             the last hour's and day's requests per client, recipe, endpoint
     GET  /api/inference/usage                tokens per recipe: last hour, last day, all time; "roi": their
                                              cost on each recipe's ROI profile (USD, None unpriced)
 
@@ -136,6 +137,15 @@ async def usage():
     slot = _slot()
     summary = slot.usage.summary()
     return {"recipes": summary, "roi": slot.catalog.roi.rollup(summary, slot.catalog.recipes)}
+
+
+@bp.get("/activity")
+async def activity():
+    """Requests, errors and tokens of the last hour and day, per client (key id), recipe and endpoint."""
+    log = _slot().activity
+    if log is None:
+        return {"hour": None, "day": None, "note": "no activity log (activity_log_path is unset)"}
+    return await trio.to_thread.run_sync(log.rollup)
 
 
 async def _body(cls: type):

@@ -28,6 +28,7 @@ from quart import Blueprint, Quart, current_app
 from spark.http.admin import DownRequest, UpRequest
 from spark.http.anthropic import PREFIX as ANTHROPIC_PREFIX
 from spark.http.anthropic import CountTokensRequest, MessagesRequest
+from spark.http.gateway import UPSTREAM_ONLY
 from spark.http.response_items import ConversationRequest, ItemsRequest, ResponsesRequest
 from spark.http.schemas import ChatRequest, CompletionRequest, Prompt
 from spark.http.tokenize import DetokenizeRequest, TokenizeRequest
@@ -47,6 +48,7 @@ BODIES: dict[str, type] = {
     "inference_admin.down": DownRequest,
     "tokenize.tokenize": TokenizeRequest,
     "tokenize.detokenize": DetokenizeRequest,
+    **{endpoint: cls for endpoint, cls in UPSTREAM_ONLY.values()},  # proxied to an upstream recipe
 }
 EMPTY_BODY_ALLOWED = {"responses.create_conversation", "inference_admin.down"}  # read as {}
 BODY_METHODS = ("POST", "PUT", "PATCH")

@@ -20,11 +20,12 @@ from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
 from spark.http.gateway import generates
-from spark.http.params import (MODEL_ALIAS, Echo, Job, base_params, build_job, chat_turn, echoes, encode_prompts,
+from spark.http.params import (Echo, Job, base_params, build_job, chat_turn, echoes, encode_prompts,
                                logprobs_k)
 from spark.http.schemas import ChatRequest, CompletionRequest
 from spark.http.spine import Serving, request_body
 from spark.http.turn import ContentDelta, ReasoningDelta, TurnDone, TurnParser, turn_steps
+from spark.recipes.schema import RESERVED_NAMES
 
 bp = Blueprint("openai", __name__)
 
@@ -70,7 +71,7 @@ async def list_models():
 async def get_model(name: str):
     card = _slot().model_card(name, _state().started_at)
     if card is None:
-        if name == MODEL_ALIAS:
+        if name in RESERVED_NAMES:
             _model()  # no model is active: 503
         raise ApiError(404, f"model {name!r} does not exist", param="model", code="model_not_found")
     return card

@@ -72,7 +72,8 @@ async def test_names_and_switching_on_demand(catalog):
         draft = catalog.get("tiny-d")
         await slot.switch_to(draft).wait()  # by id it comes up, and then answers to its name
         assert slot.route("tiny-d") is draft
-        assert [c["id"] for c in slot.model_cards(0) if c["state"] == "active"] == ["tiny-d", "sparky"]
+        assert [c["id"] for c in slot.model_cards(0) if c["state"] == "active"] == ["tiny-d", "sparky", "sparky-think",
+                                                                                        "sparky-fast"]
         down = slot.take_down()
         # while it goes down (no target): refusals, not an AttributeError (issue 27.8)
         assert "taking the model down" in _refusal(slot, "ta").message and _refusal(slot, "ta").status == 503

@@ -101,6 +101,7 @@ SEEDS: dict[str, list[dict]] = {
     "POST /tokenize": [{"prompt": "Hello"}, {"messages": [{"role": "user", "content": "hi"}],
                                             "add_generation_prompt": False, "return_token_strs": True}],
     "POST /detokenize": [{"tokens": [1, 2, 3]}],
+    "POST /v1/embeddings": [{"input": "hello"}, {"input": ["a", "b"], "encoding_format": "float", "model": "sparky"}],
     "POST /api/inference/up": [{"id": "no-such-recipe"}],
     "POST /api/inference/down": [{"grace_s": 0}],
 }
@@ -109,6 +110,8 @@ KEYS = ["type", "role", "content", "text", "id", "name", "summary", "output", "c
         "parameters", "function", "input", "tool_use_id", "items", "model", "stream"]
 # Operations whose valid bodies would take the shared server's model down: only refusable bodies go there.
 DANGEROUS = {"POST /api/inference/up", "POST /api/inference/down"}
+# Operations only an upstream recipe's server answers (spark.http.gateway.UPSTREAM_ONLY): 400 on a local model.
+UPSTREAM_ONLY = {"POST /v1/embeddings"}
 ROUTING_METHODS = ["PATCH", "PUT", "DELETE", "POST", "GET"]
 
 

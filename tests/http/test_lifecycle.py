@@ -28,7 +28,8 @@ def test_health_models_metrics(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         assert "spark_kv_pages_used" in r.text
     models = server.client().models.list().data
-    assert [m.id for m in models] == [server.model, "sparky"]  # the active model, and its reserved name
+    # the active model, and its reserved names (issue 25: sparky-think, sparky-fast)
+    assert [m.id for m in models] == [server.model, "sparky", "sparky-think", "sparky-fast"]
     assert models[0].owned_by == "spark" and models[0].model_extra["max_model_len"] > 0
     assert server.client().models.retrieve("sparky").id == server.model
     # Served without a recipe, the embedded model samples as its bundled recipe says (issue 19.1).

@@ -112,7 +112,8 @@ def test_an_upstream_brought_up_takes_sparky_and_frees_the_local_model(servers):
     raw = front.client().chat.completions.with_raw_response.create(model="sparky", messages=MESSAGES, max_tokens=3)
     assert raw.parse().model == "remote" and raw.headers["X-Spark-Active-Profile"] == "remote"
     cards = {m.id: m.model_extra["state"] for m in front.client().models.list().data}
-    assert cards == {"tiny": "available", "remote": "active", "far": "active", "dead": "available", "sparky": "active"}
+    assert cards == {"tiny": "available", "remote": "active", "far": "active", "dead": "available", "sparky": "active",
+                     "sparky-think": "active", "sparky-fast": "active"}
     with front.http(ADMIN) as http:
         assert http.post("/api/inference/up", json={"id": "tiny", "wait": True}).status_code == 200
     assert front.client().completions.create(model="sparky", prompt="t1", max_tokens=2).model == "tiny"
