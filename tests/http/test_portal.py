@@ -4,7 +4,7 @@ The browser is Debian's chromium (``apt-get install chromium``; the README's tes
 it), driven by playwright: playwright's own browser download needs hosts this machine cannot reach.
 A missing browser fails these tests; it never skips them. ``SPARK_TEST_CHROMIUM`` names another binary.
 
-The server has two recipes: ``tiny`` (random weights of a tiny shape, loaded at start) and ``smol``
+The server has two recipes (and a refused one): ``tiny`` (random weights of a tiny shape, loaded at start) and ``smol``
 (the embedded default model). The page switches to ``smol``, chats with it, and its usage chart is
 read against ``/api/inference/usage``.
 """
@@ -80,6 +80,7 @@ def server(tmp_path_factory):
     for name, body in RECIPES.items():
         (recipes / f"{name}.yaml").write_text(f"id: {name}\n{body}")
     (recipes / "roi-profiles.yaml").write_text(ROI_PROFILES)
+    (recipes / "broken.yaml").write_text("id: broken\nserved_name: broken\nmodel: default\nno_such_field: 1\n")
     (root / "config").mkdir()
     (root / "config" / "inference-pricing.json").write_text(json.dumps(PRICES))
     config = ServeConfig(config_dir=str(root / "config"), recipes_dir=str(recipes), recipe="tiny", device="cpu", max_model_len=512,
@@ -152,6 +153,7 @@ def test_switch_chat_and_usage_through_the_page(server, page):
     expect(page.locator("#health")).to_have_text("healthy")
     expect(page.locator("#recipes tr[data-recipe=smol] .badge")).to_have_text("available")
     expect(page.locator("#switch-progress")).to_be_hidden()
+    expect(page.locator("#recipe-problems li")).to_contain_text(["no_such_field"])  # a recipe that was refused
 
     page.select_option("#switch-recipe", "smol")
     page.click("#switch-button")  # the API key may read, not switch
@@ -241,10 +243,12 @@ def test_reasoning_and_tool_calls_are_drawn_apart(page):
     assert sent[0]["stream"] is True and sent[0]["tools"][0]["function"]["name"] == "get_weather"
     assert sent[0]["messages"] == [{"role": "user", "content": "Weather in Paris?"}]
 
-    page.fill("#chat-input", "And in Rome?")  # the next turn carries the call back
-    page.click("#chat-send")
+    reply.locator("input.tool-result").fill('{"celsius": 21}')  # the next turn carries the call and its result
+    page.click("#chat-send")  # with no text: the result alone goes back
     expect(page.locator(".msg.assistant[data-state=done]")).to_have_count(2)
-    assert sent[1]["messages"][1] == {"role": "assistant", "content": "Let me look.",
-                                      "tool_calls": [{**{k: call[k] for k in ("id", "type")},
-                                                      "function": {"name": "get_weather",
-                                                                   "arguments": '{"city": "Paris"}'}}]}
+    expect(page.locator(".msg.tool .content")).to_have_text('call_1: {"celsius": 21}')
+    assert sent[1]["messages"][1:] == [
+        {"role": "assistant", "content": "Let me look.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'}]

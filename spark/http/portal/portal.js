@@ -158,6 +158,7 @@ function drawProfile(status) {
   body.replaceChildren(...status.recipes.map((r) => h("tr", {"data-recipe": r.id},
     h("td", {}, r.id), h("td", {}, r.served_name), h("td", {}, r.engine),
     h("td", {title: r.reason || ""}, h("span", {class: `badge ${r.state}`}, r.state)))));
+  $("recipe-problems").replaceChildren(...(status.problems || []).map((p) => h("li", {}, p)));
 }
 
 function drawSwitchProgress(status) {
@@ -423,17 +424,30 @@ async function* sseData(response) {
   }
 }
 
-async function send(text) {
+/** The results typed into the last reply's tool calls, as `tool` messages (the inputs are then done with). */
+function takeToolResults() {
+  const inputs = [...$("chat-log").querySelectorAll("input.tool-result:not([disabled])")];
+  const results = inputs.filter((i) => i.value.trim()).map((i) => ({role: "tool", tool_call_id: i.dataset.callId,
+                                                                   content: i.value.trim()}));
+  if (results.length) for (const i of inputs) i.disabled = true;
+  return results;
+}
+
+async function send(text, results) {
+  const turn = [...results, ...(text ? [{role: "user", content: text}] : [])];
   let body;
   try {
-    history.push({role: "user", content: text});
+    history.push(...turn);
     body = chatBody();
   } catch (e) {
-    history.pop();
+    history.splice(history.length - turn.length);
     $("chat-status").textContent = `tools: ${e.message}`;
     return;
   }
-  messageView("user").content.textContent = text;
+  for (const m of turn) {
+    const view = messageView(m.role);
+    view.content.textContent = m.role === "tool" ? `${m.tool_call_id}: ${m.content}` : m.content;
+  }
   const view = messageView("assistant");
   view.root.dataset.state = "waiting";
   view.root.dataset.chunks = "0";
@@ -481,6 +495,10 @@ async function send(text) {
     const message = {role: "assistant", content: content || null};
     if (calls.length) message.tool_calls = calls.filter(Boolean);
     history.push(message);
+    for (const [i, card] of [...view.calls.children].entries()) {  // what each call returned, to send back
+      card.append(h("input", {class: "tool-result", placeholder: "its result, sent back with the next message",
+                              "data-call-id": message.tool_calls[i].id}));
+    }
     if (view.reasoning) view.reasoning.open = false;
     view.root.dataset.state = "done";
     const seconds = (performance.now() - t0) / 1000;
@@ -491,7 +509,7 @@ async function send(text) {
     view.meta.textContent = bits.filter(Boolean).join(" · ");
     $("chat-status").textContent = "";
   } catch (e) {
-    history.pop();  // the user's turn goes again with the next message
+    history.splice(history.length - turn.length);  // the turn goes again with the next message
     view.root.classList.add("error");
     view.root.dataset.state = e.name === "AbortError" ? "stopped" : "error";
     const why = e.name === "AbortError" ? "stopped" : e.message + (e.retryAfter ? ` (retry in ${e.retryAfter} s)` : "");
@@ -509,10 +527,11 @@ async function send(text) {
 function wireChat() {
   $("chat-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
-    const text = $("chat-input").value.trim();
-    if (!text || abort) return;
+    if (abort) return;
+    const text = $("chat-input").value.trim(), results = takeToolResults();
+    if (!text && !results.length) return;
     $("chat-input").value = "";
-    send(text);
+    send(text, results);
   });
   $("chat-input").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey) {
