@@ -116,6 +116,8 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     metadata: dict[str, Any] | None = None
     stream: bool | None = None
+    speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
+    tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
 
 
 # -- conversion to a chat turn ------------------------------------------------------------
@@ -246,7 +248,8 @@ async def create_message(serving: Serving):
     if ttls and stage is None and serving.model.config.prefix_caching:
         pins, written = await spine.off_loop(_breakpoint_pins, serving, turn, marked, ttls)
     job = single_job(mid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), stop=stops,
-                     api_key=g.api_key, pins=pins, grammar=turn.grammar)
+                     api_key=g.api_key, pins=pins, grammar=turn.grammar, speculative=req.speculative,
+                     tbt_ms=req.tbt_ms)
     parser = turn.parser(id_prefix=f"toolu_{secrets.token_hex(8)}")
     fanin = await spine.submit(serving, job)
     head = {"id": mid, "type": "message", "role": "assistant", "model": serving.model.served_name}

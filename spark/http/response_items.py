@@ -41,6 +41,8 @@ class ResponsesRequest:
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}} (spark.http.structured)
     user: str | None = None
+    speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
+    tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
 
 
 @attrs.frozen(kw_only=True)

@@ -116,7 +116,7 @@ async def create_response(serving: Serving):
     # what the next turn extends (previous_response_id, the conversation) stays cached a while
     pins = (PrefixPin(rid, serving.model.config.prefix_pin_ttl_s),) if req.store is not False or conversation_id else ()
     job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key,
-                     pins=pins, grammar=turn.grammar)
+                     pins=pins, grammar=turn.grammar, speculative=req.speculative, tbt_ms=req.tbt_ms)
     fanin = await spine.submit(serving, job)
     head = _response_head(rid, req, serving.model.served_name, conversation_id, stage)
     tokenizer = serving.model.tokenizer

@@ -56,3 +56,27 @@ def test_a_requests_tbt_target_must_be_a_positive_number_of_ms(url):
     bad = complete(url, 3, tbt_ms=0)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tbt_ms"
     assert complete(url, 3, tbt_ms="fast").status_code == 400
+
+
+def test_anthropic_and_responses_take_sparks_own_tbt_ms_and_check_it(url):
+    messages = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        messages.messages.create(model="sparky", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                 extra_body={"tbt_ms": -5})
+    assert err.value.body["type"] == "error" and "tbt_ms" in err.value.body["error"]["message"]
+    responses = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        responses.responses.create(model="sparky", input="hi", max_output_tokens=4, extra_body={"tbt_ms": 0})
+    assert err.value.body["param"] == "tbt_ms"
+
+
+def test_a_single_generation_carries_its_tbt_target_and_speculation_opt_out():
+    from spark.engine.sampling import SamplingParams
+    from spark.http.params import Limits, single_job
+
+    limits = Limits("m", max_model_len=64, vocab_size=100, default_max_tokens=4)
+    job = single_job("r", [1, 2, 3], SamplingParams(max_tokens=4), limits, stream=False, api_key=None,
+                     speculative=False, tbt_ms=50)
+    assert job.requests[0].tbt_s == pytest.approx(0.05) and job.requests[0].speculative is False
+    default = single_job("r", [1, 2, 3], SamplingParams(max_tokens=4), limits, stream=False, api_key=None)
+    assert default.requests[0].tbt_s is None and default.requests[0].speculative is True
