@@ -9,10 +9,13 @@
     scheduler: {policy: slai, max_batch_size: 64, max_prefill_tokens: 512}
     parsers: {tool_call: hermes, reasoning: think}
     sampling: {temperature: 0.6, top_p: 0.95}
-    lifecycle: works                  # draft | testing | works | production
+    lifecycle: works                  # draft | testing | works | production | promote
     tier: medium                      # light | medium | heavy
+    catalog_id: Qwen/Qwen3-8B         # the catalog identity, shown in listings
+    roi_profile: qwen3-8b             # an id in recipes/roi-profiles.yaml (spark.recipes.roi)
 
-    catalog = load_recipes("recipes")          # every valid recipe; catalog.problems for the rest
+    catalog = load_recipes("recipes", config_dir="~/.config/spark")  # + the host's enabled list, ROI prices
+                                                                     # every valid recipe; catalog.problems for the rest
     for problem in catalog.problems:
         print(problem)                         # recipes/x.yaml: $.context.default: expected an int, got ...
 """

@@ -15,6 +15,7 @@ _SPARK = """\
 # to {directory}/ (until then `spark inference up {id}` still brings it up).
 id: {id}
 name: {name}
+catalog_id: {lab}/{slug}               # the model's catalog identity, shown in listings
 served_name: {served}
 engine: spark
 model: ~/models/{lab}/{slug}        # a .gguf file or an HF directory; `default` for the embedded model
@@ -38,6 +39,7 @@ _UPSTREAM = """\
 # to {directory}/ (until then `spark inference up {id}` still brings it up).
 id: {id}
 name: {name}
+catalog_id: {lab}/{slug}               # the model's catalog identity, shown in listings
 served_name: {served}
 engine: upstream
 model: {lab}/{slug}                 # the name the upstream server knows the model by
