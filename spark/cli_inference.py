@@ -138,14 +138,16 @@ def _list(args) -> int:
         if exc.status != 2:
             raise
         from spark.recipes import load_recipes, project_recipes_dir, unavailable_reason
+        from spark.recipes.loading import default_config_dir
 
-        catalog = load_recipes(args.recipes or project_recipes_dir())
+        catalog = load_recipes(args.recipes or project_recipes_dir(), config_dir=default_config_dir())
         recipes = [{"id": r.id, "served_name": r.served_name, "aliases": list(r.aliases), "engine": r.engine,
-                    "lifecycle": r.lifecycle, "draft": r.draft,
+                    "lifecycle": r.lifecycle, "draft": r.draft, "enabled": catalog.is_enabled(r),
                     "state": "unavailable" if unavailable_reason(r) else "available"} for r in catalog.recipes]
         where = f"{catalog.directory} (no server at {args.url})"
-    rows = [[r["id"] + (" (draft)" if r["draft"] else ""), r["served_name"], ", ".join(r["aliases"]), r["engine"],
-             r["lifecycle"], r["state"]] for r in recipes]
+    rows = [[r["id"] + (" (draft)" if r["draft"] else "") + ("" if r.get("enabled", not r["draft"]) or r["draft"]
+                                                             else " (not enabled)"),
+             r["served_name"], ", ".join(r["aliases"]), r["engine"], r["lifecycle"], r["state"]] for r in recipes]
     print(f"recipes of {where}:")
     print(_table(rows, ["ID", "SERVED NAME", "ALIASES", "ENGINE", "LIFECYCLE", "STATE"]))
     return 0
@@ -298,7 +300,9 @@ def _list_aliases(args) -> int:
             raise
         from spark.recipes import load_recipes, project_recipes_dir
 
-        catalog = load_recipes(args.recipes or project_recipes_dir(), config_dir=args.config_dir)
+        from spark.recipes.loading import default_config_dir
+
+        catalog = load_recipes(args.recipes or project_recipes_dir(), config_dir=args.config_dir or default_config_dir())
         recipes = [{"id": r.id, "served_name": r.served_name, "aliases": list(r.aliases), "engine": r.engine,
                     "enabled": catalog.is_enabled(r), "draft": r.draft} for r in catalog.recipes]
         where, active = f"{catalog.directory} (no server at {args.url})", None

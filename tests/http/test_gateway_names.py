@@ -188,6 +188,8 @@ def test_usage_has_the_roi_column_and_the_cli_lists_names(servers, capsys):
     for line in ("sparky-think", "sparky-fast", "far ", "alias of remote"):
         assert line in out
     assert "hidden" not in out
+    assert main(["inference", "list", *cli]) == 0
+    assert "hidden (not enabled)" in capsys.readouterr().out  # listed, served only when brought up by id
     assert main(["inference", "help", *cli]) == 0
     out = capsys.readouterr().out
     assert "sparky-fast" in out and "X-Spark-Upstream-Port" in out and "tiny active as tiny" in out
