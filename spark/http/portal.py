@@ -6,7 +6,7 @@
 
 The page has no build step and no library: plain HTML, CSS and one script. Everything it
 shows it reads with the key typed into it, from routes any client can call:
-``/api/inference/status | logs | usage | up | down`` (the admin key for switching),
+``/api/inference/status | logs | usage | activity | up | down`` (the admin key for switching),
 ``/health``, ``/v1/models`` and ``/v1/chat/completions`` (streamed). The files need no key:
 they hold nothing but the page.
 """

@@ -21,6 +21,7 @@ import pytest
 import torch
 from playwright.sync_api import Page, expect, sync_playwright
 
+from spark.control.activity import key_id
 from spark.http import create_app
 from spark.serve_config import ServeConfig
 from tests.control.serving import running_server
@@ -196,6 +197,11 @@ def test_switch_chat_and_usage_through_the_page(server, page):
     assert float(costs["total"][1].removeprefix("$")) == pytest.approx(roi["cloud-small"]["total"], rel=0.05)
     assert chart[("smol", "hour")]["requests"] == chart[("smol", "total")]["requests"] == 1
     assert chart[("tiny", "day")]["requests"] == 1 and chart[("tiny", "day")]["prompt_tokens"] > 0
+    with server.http(ADMIN) as http:  # logged before the usage counted it
+        clients = http.get("/api/inference/activity").json()["day"]["clients"]
+    assert list(clients) == [key_id(KEY)] and clients[key_id(KEY)]["requests"] == 2  # tiny's, then the page's
+    expect(page.locator(f"#clients-table tr[data-client={key_id(KEY)}] td")).to_have_text(
+        [key_id(KEY), "2", "2", "0", re.compile(r"\d+"), re.compile(r"\d+")], timeout=15_000)
     rows = page.locator("#usage-table tbody tr[data-recipe=smol][data-window=total] td").all_inner_texts()
     assert rows == ["smol", "total", "1", str(api["smol", "total"]["prompt_tokens"]),
                     str(api["smol", "total"]["completion_tokens"])]

@@ -2,6 +2,7 @@
 //
 //   /api/inference/status  the profile card and the switch's progress (polled; faster while switching)
 //   /api/inference/logs    the log tail and the recent activity
+//   /api/inference/activity  requests and tokens per client, last hour and day
 //   /api/inference/usage   the usage chart and table
 //   /v1/models, /v1/chat/completions (streamed)  the chat playground
 //
@@ -13,6 +14,7 @@
 const POLL_MS = 2000;
 const SWITCH_POLL_MS = 400;
 const USAGE_POLL_MS = 5000;
+const CLIENTS_POLL_MS = 10000;
 const LOG_LINES = 200;
 const ACTIVITY_ROWS = 20;
 const WINDOWS = [["hour", "1h"], ["day", "24h"], ["total", "total"]];
@@ -342,6 +344,28 @@ function drawActivity(records) {
     h("td", {title: a.error || ""}, `${a.status} ${a.outcome}`), h("td", {}, a.key_id || "–"))));
 }
 
+/** Requests, errors and tokens per client over the last hour and day (``/api/inference/activity``). */
+async function refreshClients() {
+  let rollup;
+  try {
+    rollup = await api("/api/inference/activity");
+  } catch (_) {
+    return;
+  }
+  const body = $("clients-table").tBodies[0];
+  if (!rollup.day) {
+    body.replaceChildren(h("tr", {}, h("td", {colSpan: 6, class: "muted"}, rollup.note || "no activity log")));
+    return;
+  }
+  const tokens = (row) => (row ? row.prompt_tokens + row.completion_tokens : 0);
+  const rows = [["all", rollup.hour, rollup.day],
+    ...Object.keys(rollup.day.clients).sort().map((id) => [id, rollup.hour.clients[id], rollup.day.clients[id]])];
+  body.replaceChildren(...rows.map(([id, hour, day]) => h("tr", {"data-client": id},
+    h("td", {}, id), h("td", {class: "num"}, fmtInt(hour ? hour.requests : 0)), h("td", {class: "num"}, fmtInt(day.requests)),
+    h("td", {class: "num"}, fmtInt(day.errors)), h("td", {class: "num"}, fmtInt(tokens(hour))),
+    h("td", {class: "num"}, fmtInt(tokens(day))))));
+}
+
 // -- chat ----------------------------------------------------------------------------------------
 
 const history = [];  // the conversation sent with each request
@@ -520,7 +544,7 @@ async function send(text, results) {
     $("chat-send").disabled = false;
     $("chat-stop").disabled = true;
     $("chat-log").scrollTop = $("chat-log").scrollHeight;
-    setTimeout(() => { refreshUsage(); refreshLogs(); }, 300);  // the request is counted once its body ended
+    setTimeout(() => { refreshUsage(); refreshLogs(); refreshClients(); }, 300);  // counted once its body ended
   }
 }
 
@@ -552,6 +576,7 @@ function refreshAll() {
   refreshHealth();
   refreshStatus().then(() => { refreshUsage(); refreshModels(); });
   refreshLogs();
+  refreshClients();
 }
 
 function every(ms, fn) {
@@ -569,5 +594,6 @@ document.addEventListener("DOMContentLoaded", () => {
   refreshAll();
   every(POLL_MS, () => { refreshStatus(); refreshLogs(); refreshHealth(); });
   every(USAGE_POLL_MS, refreshUsage);
+  every(CLIENTS_POLL_MS, refreshClients);  // the server reads its whole activity log for it
   window.addEventListener("resize", () => refreshUsage());
 });
