@@ -4,7 +4,9 @@ The engine builds one ``AttentionMetadata`` per step; every layer reuses it.
 Two implementations of one step (rotate q and k, write k and v, attend): the torch
 references (``rope_attend_reference``; the CPU, where Triton's interpreter is far too
 slow to serve from) and the Triton kernels (``rope_attend_triton``). Which one a
-model runs is chosen once, when it is built (``models/ops.py``).
+model runs is chosen once, when it is built (``models/ops.py``). The caches are a layer's
+entries of ``KVCache.layers``: plain tensors, or an fp8 cache's ``ScaledPages``, whose
+scales go to the kernels beside the pages.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import attrs
 import torch
 
 from spark.engine.kernels import kv_write, paged_attention as pa, prefill_attention, rope
+from spark.engine.kv_cache import pages_and_scale
 
 
 @attrs.frozen
@@ -50,17 +53,18 @@ def rope_attend_reference(
     k: torch.Tensor,  # [T, Hkv, Dh] unrotated
     v: torch.Tensor,  # [T, Hkv, Dh]
     cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T, Dh // 2] fp32 each
-    k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
-    v_cache: torch.Tensor,
+    k_cache,  # [pages, page_size, Hkv, Dh], or an fp8 cache's ScaledPages
+    v_cache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Rotate q and k, write this step's K/V into their pages, attend (torch). Returns [T, H, Dh]."""
+    (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv_write.write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+    kv_write.write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return pa.paged_attention_reference(
-        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, k_scale, v_scale
     )
 
 
@@ -69,8 +73,8 @@ def rope_attend_triton(
     k: torch.Tensor,  # [T, Hkv, Dh] unrotated
     v: torch.Tensor,  # [T, Hkv, Dh]
     positions_inv_freq: tuple[torch.Tensor, torch.Tensor],  # [T] int64, [Dh // 2] fp32: kernels compute cos/sin
-    k_cache: torch.Tensor,  # [pages, page_size, Hkv, Dh]
-    v_cache: torch.Tensor,
+    k_cache,  # [pages, page_size, Hkv, Dh], or an fp8 cache's ScaledPages
+    v_cache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -81,17 +85,18 @@ def rope_attend_triton(
     attention only reads the cache.
     """
     positions, inv_freq = positions_inv_freq
+    (k_pages, k_scale), (v_pages, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
     if meta.decode_only:
         return pa.paged_decode_attention_rope_triton(
-            q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
+            q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
+            k_scale=k_scale, v_scale=v_scale,
         )
-    q = rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+    q = rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
+                                      k_scale, v_scale)
     return attend_triton(q, k_cache, v_cache, meta, scale)
 
 
-def attend_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-) -> torch.Tensor:
+def attend_triton(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The Triton kernels for a step whose K/V are in the cache. Returns [T, H, Dh].
 
     Single-token rows take the decode kernel, which reads each KV head once for
@@ -99,14 +104,17 @@ def attend_triton(
     query rows alone and read its context once per query head. A mixed step (the
     decodes first, as plans put them) is split in two: decodes, then prefill chunks.
     """
+    (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if meta.decode_only:
-        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, **scales)
     n = meta.num_single
     prefill = prefill_attention.paged_prefill_attention_triton(
         q[n:], k_cache, v_cache, meta.query_start_loc[n:] - n, meta.seq_lens[n:], meta.block_tables[n:], scale,
-        meta.max_query_len,
+        meta.max_query_len, **scales,
     )
     if n == 0:
         return prefill
-    decode = pa.paged_decode_attention_triton(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale)
+    decode = pa.paged_decode_attention_triton(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
+                                              **scales)
     return torch.cat((decode, prefill))

@@ -25,7 +25,7 @@ import torch
 
 from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.config import ModelConfig
-from spark.engine.kv_cache import KVCache, num_pages_for_budget
+from spark.engine.kv_cache import KVCache, kv_storage_dtype, num_pages_for_budget
 from spark.engine.models.runtime import Model, Runtime, build_model
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
@@ -73,12 +73,15 @@ class Engine:
         kv_cache_bytes: int | None = None,
         kv_cache_tokens: int | None = None,
         max_model_len: int | None = None,
+        kv_dtype: str = "auto",
     ):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = kv_dtype  # "auto": K/V in the model's dtype; "fp8": e4m3 with scales (kv_cache.py)
+        kv_storage = kv_storage_dtype(kv_dtype, self.dtype)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         if kv_cache_bytes is not None and kv_cache_tokens is not None:
             raise ValueError("give the KV cache's size in bytes or in tokens, not both")
@@ -90,10 +93,10 @@ class Engine:
             num_pages = 1 - (-kv_cache_tokens // page_size)  # and the allocator's scratch page
         else:
             budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_kv_budget()
-            num_pages = num_pages_for_budget(self.config, budget, page_size, self.dtype)
+            num_pages = num_pages_for_budget(self.config, budget, page_size, kv_storage)
             if num_pages < 2:
                 raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 pages")
-        self.kv_cache = KVCache(self.config, num_pages, page_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.config, num_pages, page_size, kv_storage, self.device)
         self.page_size = page_size
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(
@@ -123,6 +126,7 @@ class Engine:
         adapt_cpu_threads: bool = False,
         dummy_config=None,
         progress: bool = True,
+        kv_dtype: str = "auto",
     ) -> "Engine":
         """Load ``model`` ("default", a .gguf path, an HF directory or "dummy[:preset]") and build an engine.
 
@@ -136,6 +140,8 @@ class Engine:
               given, dense elsewhere (see ``Runtime.for_device`` and ``models/quantized.py``).
             adapt_cpu_threads: on the CPU, let torch's threads follow the cores other processes leave
               idle, set before each step (``device.IdleCoreThreads``); else they stay as they are.
+            kv_dtype: the KV cache's: "auto" (``dtype``) or "fp8" (e4m3 with per-head scales: twice the
+              tokens in the same bytes).
 
         Raises:
             ModelLoadError: the model cannot be read; its message names the file and the problem.
@@ -159,7 +165,7 @@ class Engine:
         log.info("loaded %s (%s) on %s, %s weights, in %.1fs", source.path or "dummy", source.kind, runtime.device,
                  runtime.weight_format, time.perf_counter() - t0)
         engine = cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
-                     kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len)
+                     kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype)
         if adapt_cpu_threads and runtime.device.type == "cpu":
             engine.threads = IdleCoreThreads()
         return engine

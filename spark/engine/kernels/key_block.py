@@ -32,7 +32,8 @@ def attend_keys():
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr,
     ):
         """K and V `[BLOCK_N, BLOCK_D]` of keys [n0, n0 + BLOCK_N) below `kv_end`, gathered
-        through the block-table row `table`; keys past `kv_end` load as zeros."""
+        through the block-table row `table`; keys past `kv_end` load as zeros. An fp8 cache's
+        values come as stored (unscaled): the caller folds its scales into the scores and output."""
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         # Gather token by token: any page size, any page order. Masked keys read
@@ -46,6 +47,9 @@ def attend_keys():
         if not HALF_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif k.dtype == tl.float8e4nv:  # an fp8 cache: its values are exact in bf16, q's dtype for the dots
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
         return k, v
 
     @triton.jit

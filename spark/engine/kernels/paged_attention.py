@@ -7,6 +7,10 @@ counts this step's tokens. Every kernel here runs after this step's K/V were
 written to the cache, except `paged_decode_attention_rope_*`, which rotate q and k
 and write the new token's K/V themselves: decode at small batch is bound by kernel
 launches, and folding the rope + KV-write launch into attention saves one per layer.
+
+An fp8 cache (fp8.py) comes with per-head scales `k_scale`, `v_scale` (`[Hkv]` fp32): the
+references dequantize what they gather; the kernels load the stored values and fold the
+scales into the score multiplier (K) and the output (V), the same products in another order.
 """
 
 import functools
@@ -16,7 +20,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from spark.engine.kernels import key_block, launch, rope
+from spark.engine.kernels import fp8, key_block, launch, rope
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -28,6 +32,7 @@ _attend_keys = None  # key_block's online softmax over a range of keys
 _rope_cos_sin = None  # rope's cos/sin, so that k rotated here equals k rotated by the rope kernels
 _load_block = _attend_block = None  # key_block's two halves of a step, for the early first block
 _partition = None  # the keys of one split-KV program
+_quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
@@ -79,6 +84,8 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat mixed batch of prefill chunks and decode tokens.
 
@@ -95,6 +102,7 @@ def paged_attention_reference(
       seq_lens: `[B]` int32 context length of each sequence, this step's tokens included.
       block_tables: `[B, max_pages]` int32 pages of each sequence, padded with anything.
       scale: softmax scale, usually `D ** -0.5`.
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache (dequantized as gathered), or None.
 
     Returns:
       `[T, H, D]` attention output; rows of sequences with an empty context are zero.
@@ -110,8 +118,10 @@ def paged_attention_reference(
         pages = block_tables[b, : -(-context_len // page_size)].long()
         # [pages, page_size, Hkv, D] -> [1, Hkv, context_len, D]. SDPA gets 4-D inputs
         # throughout: on the CPU 3-D ones miss the fused kernel and run ~10x slower.
-        k = k_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1)[None].to(q.dtype)
-        v = v_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1)[None].to(q.dtype)
+        k, v = k_cache[pages].flatten(0, 1)[:context_len], v_cache[pages].flatten(0, 1)[:context_len]
+        if k_scale is not None:
+            k, v = fp8.dequantize_reference(k, k_scale, q.dtype), fp8.dequantize_reference(v, v_scale, q.dtype)
+        k, v = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)
         if q_len == 1:
             # A lone query sees every key, so no mask: fold each GQA group's heads into
             # query rows of its kv head, [1, Hkv, group, D], one small matmul per kv head.
@@ -137,6 +147,8 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context (torch reference).
 
@@ -146,12 +158,14 @@ def paged_decode_attention_reference(
       block_tables: `[B, max_pages]` int32.
       seq_lens: `[B]` int32 context lengths, the new token included.
       scale: softmax scale.
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
 
     Returns:
       `[B, H, D]`.
     """
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                     k_scale, v_scale)
 
 
 def paged_decode_attention_triton(
@@ -163,6 +177,8 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context (Triton, online softmax).
 
@@ -183,11 +199,13 @@ def paged_decode_attention_triton(
       scale: softmax scale.
       num_splits: partitions per sequence; None picks them from the batch shape.
       config: how the kernel walks keys; None picks it by `decode_config`.
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
 
     Returns:
       `[B, H, D]` in q's dtype.
     """
-    return _launch_decode(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config)
+    return _launch_decode(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
+                          k_scale, v_scale)
 
 
 def paged_decode_attention_rope_reference(
@@ -202,13 +220,16 @@ def paged_decode_attention_rope_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rope.rope_and_write_kv_reference`, then `paged_decode_attention_reference` (torch).
 
     Args and Returns: as `paged_decode_attention_rope_triton` (no `num_splits`).
     """
-    q_rot = rope.rope_and_write_kv_reference(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
-    return paged_decode_attention_reference(q_rot, k_cache, v_cache, block_tables, seq_lens, scale)
+    q_rot = rope.rope_and_write_kv_reference(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping,
+                                             k_scale, v_scale)
+    return paged_decode_attention_reference(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
 def paged_decode_attention_rope_triton(
@@ -225,6 +246,8 @@ def paged_decode_attention_rope_triton(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rope, KV write and decode attention in one launch (plus the reduce when split).
 
@@ -251,6 +274,7 @@ def paged_decode_attention_rope_triton(
       scale: softmax scale.
       num_splits: partitions per sequence; None picks them from the batch shape.
       config: how the kernel walks keys; None picks it by `decode_config`.
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache (the new token stored quantized), or None.
 
     Returns:
       `[B, H, D]` in q's dtype.
@@ -259,10 +283,12 @@ def paged_decode_attention_rope_triton(
     assert v.shape == k.shape and q.shape[0] == batch and q.shape[2] == head_dim and head_dim % 2 == 0
     assert inv_freq.shape == (head_dim // 2,) and positions.shape == slot_mapping.shape == (batch,)
     rope_args = (k, v, positions, inv_freq, slot_mapping)
-    return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config)
+    return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
+                          k_scale, v_scale)
 
 
-def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config):
+def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
+                   k_scale=None, v_scale=None):
     """Launch the decode kernel (with rope + KV write when `rope_args` is given) and the reduce."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -279,10 +305,12 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
     # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p
-    # is rounded to it for PV, as in flash-attention). fp32 caches and the interpreter,
-    # which mishandles dot and arithmetic on bf16, use fp32 tiles with exact products.
+    # is rounded to it for PV, as in flash-attention), fp8 caches in bf16 (their values are
+    # exact in it). fp32 caches and the interpreter, which mishandles dot and arithmetic on
+    # bf16, use fp32 tiles with exact products.
     interpreted = launch.interpreting(decode_kernel)
-    half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not interpreted
+    half_dot = half_dots(k_cache.dtype, q.dtype) and not interpreted
+    scaled = k_scale is not None
     split = num_splits > 1
     if split:
         partial_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -295,11 +323,13 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k, v, positions, inv_freq, slot_mapping,
         k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
+        k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,  # unread unless SCALED
         *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
         *k_cache.stride(), block_tables.stride(0), *out.stride(),
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
+        SCALED=scaled,
         # Batch 1 only: there the projection before this kernel is the small-row linear,
         # whose PDL trigger lets this one start early. Behind cuBLAS (larger batches) the
         # loads are not early, and taking the first block out of the pipelined key loop
@@ -313,6 +343,13 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **launch.pdl(reduce_kernel, q),
         )
     return out
+
+
+def half_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """Whether a GPU kernel's dots take half-precision tiles: a bf16/fp16 cache, or an fp8 one
+    (as bf16) under half-precision queries."""
+    return cache_dtype in (torch.bfloat16, torch.float16) or (
+        cache_dtype == fp8.FP8 and q_dtype in (torch.bfloat16, torch.float16))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -343,7 +380,8 @@ def _kernels():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition
+    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize
+    _quantize = fp8.jit_quantize()
     _attend_keys = key_block.attend_keys()
     _load_block, _attend_block = key_block.steps()
     _rope_cos_sin = rope.jit_cos_sin()
@@ -364,14 +402,14 @@ def _kernels():
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-        partial_max_ptr, partial_sum_ptr, partial_out_ptr,
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr, k_scale_ptr, v_scale_ptr,
         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd, stride_f,
         stride_cp, stride_co, stride_ch, stride_cd,
         stride_bt, stride_ob, stride_oh, stride_od,
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+        SCALED: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -400,6 +438,10 @@ def _kernels():
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
         heads = kv_head * group + rows
         q_mask = row_ok[:, None] & dim_ok[None, :]
+        if SCALED:  # an fp8 cache: K's scale folds into the scores' multiplier, V's into the output
+            k_scale = tl.load(k_scale_ptr + kv_head)
+            v_scale = tl.load(v_scale_ptr + kv_head)
+            qk_scale_log2 = qk_scale_log2 * k_scale
         q_src = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
         if ROPE:
             # Rope in the full [.., D] layout the dots need: lane d takes x1 = x[d % half]
@@ -421,9 +463,14 @@ def _kernels():
             x2 = tl.load(k_src + (half + lane) * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)
             k_new = tl.where(first, x1[None, :] * cos - x2[None, :] * sin, x2[None, :] * cos + x1[None, :] * sin)
             # Rounded to k's dtype, then the cache's (as the unfused path stores it); v copied.
-            k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [1, BLOCK_D]
+            k_new = k_new.to(k_ptr.dtype.element_ty)  # [1, BLOCK_D]
             v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :] * stride_vd,
-                            mask=dim_ok[None, :], other=0.0).to(v_cache_ptr.dtype.element_ty)
+                            mask=dim_ok[None, :], other=0.0)
+            if SCALED:  # stored quantized, and scored as stored: as every later step will read it
+                k_new = _quantize(k_new.to(tl.float32), k_scale)
+                v_new = _quantize(v_new.to(tl.float32), v_scale)
+            k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
             # The new token (key seq_len - 1) is this program's when its partition holds it;
             # only that program writes it, and it reads no key at or after it from the cache.
             owner = (start < seq_len) & (seq_len - 1 < end)
@@ -443,7 +490,10 @@ def _kernels():
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         q_dot = q
         if HALF_DOT:
-            q_dot = q.to(k_cache_ptr.dtype.element_ty)
+            if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+                q_dot = q.to(tl.bfloat16)  # the dtype key_block hands fp8 keys in
+            else:
+                q_dot = q.to(k_cache_ptr.dtype.element_ty)
         last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1  # every row sees the whole partition
         loop_start = start
         if EARLY_LOADS:
@@ -468,6 +518,8 @@ def _kernels():
             m_i = m_new
 
         out_mask = row_ok[:, None] & dim_ok[None, :]
+        if SCALED:
+            acc = acc * v_scale
         if SPLIT:
             # Partial results in fp32, [B, H, S(, D)], merged by reduce_kernel.
             part = (seq * tl.num_programs(1) * group + heads) * num_splits + split

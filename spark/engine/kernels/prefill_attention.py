@@ -8,6 +8,8 @@ a chunk continuing earlier context and a single decode token are one case.
 
 Cache layout: `k_cache`, `v_cache` each `[num_pages, page_size, Hkv, D]`; position p
 of sequence b lives at page `block_tables[b, p // page_size]`, offset `p % page_size`.
+An fp8 cache comes with per-head scales `k_scale`, `v_scale` (`[Hkv]` fp32), folded into
+the kernel's score multiplier and output as in the decode kernel.
 """
 
 import functools
@@ -16,7 +18,7 @@ import math
 import torch
 
 from spark.engine.kernels import key_block, launch
-from spark.engine.kernels.paged_attention import paged_attention_reference
+from spark.engine.kernels.paged_attention import half_dots, paged_attention_reference
 
 # Bound by `_kernel()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -41,12 +43,15 @@ def paged_prefill_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat mixed batch (torch reference: `paged_attention_reference`).
 
     `max_query_len` is accepted for signature parity with the Triton version and unused.
     """
-    return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                     k_scale, v_scale)
 
 
 def paged_prefill_attention_triton(
@@ -58,6 +63,8 @@ def paged_prefill_attention_triton(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_m: int = _BLOCK_M,
     block_n: int = _BLOCK_N,
@@ -80,6 +87,7 @@ def paged_prefill_attention_triton(
       block_tables: `[B, max_pages]` int32 pages of each sequence, padded with anything.
       scale: softmax scale, usually `D ** -0.5`.
       max_query_len: at least the largest q_len in the batch (a host-side int).
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
       block_m, block_n: tile sizes, each a power of two >= 16 (tests shrink them).
       num_stages: software-pipelining depth of the key loop on a GPU (0: a plain loop);
         2 was fastest in `benchmarks/attention_bench.py` on an H200 for 512-token chunks.
@@ -103,14 +111,16 @@ def paged_prefill_attention_triton(
     # interpreter, which mishandles dot and arithmetic on bf16, use fp32 tiles with exact
     # "ieee" products ("tf32" is the default for half operands, where it changes nothing).
     interpreted = launch.interpreting(kernel)
-    half_dot = k_cache.dtype in (torch.bfloat16, torch.float16) and not interpreted
+    half_dot = half_dots(k_cache.dtype, q.dtype) and not interpreted
+    scaled = k_scale is not None
     kernel[(batch, triton.cdiv(max_query_len, block_m), num_heads)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
+        k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,  # unread unless SCALED
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         scale * math.log2(math.e), group, head_dim,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee",
+        HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", SCALED=scaled,
         # Pipelined on a GPU: the next key blocks' page ids and K/V load while this one computes.
         NUM_STAGES=0 if interpreted else num_stages,
         num_warps=8 if head_dim > 128 else 4,
@@ -132,12 +142,13 @@ def _kernel():
     @triton.jit
     def prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
+        k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_qd,
         stride_cp, stride_co, stride_ch, stride_cd,
         stride_bt, stride_ot, stride_oh, stride_od,
         qk_scale_log2, group, head_dim,
         PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         seq, q_block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -162,7 +173,10 @@ def _kernel():
             mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
         )
         if HALF_DOT:
-            q = q.to(k_cache_ptr.dtype.element_ty)
+            if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+                q = q.to(tl.bfloat16)  # the dtype key_block hands fp8 keys in
+            else:
+                q = q.to(k_cache_ptr.dtype.element_ty)
         else:
             q = q.to(tl.float32)
 
@@ -174,12 +188,16 @@ def _kernel():
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Keys past the block's last valid position are masked for every row: stop there.
         kv_end = context_start + tl.minimum(first_row + BLOCK_M, q_len)
+        if SCALED:  # an fp8 cache: K's scale folds into the scores' multiplier (V's below)
+            qk_scale_log2 = qk_scale_log2 * tl.load(k_scale_ptr + kv_head)
         m_i, l_i, acc = _attend_keys(
             q, m_i, l_i, acc, 0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
             stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
             PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
 
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context (seq_len 0): zeros
+        if SCALED:
+            acc = acc * tl.load(v_scale_ptr + kv_head)
         o_off = tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 

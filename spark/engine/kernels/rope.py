@@ -9,13 +9,15 @@ value, so results agree to ~1e-6 absolute for unit-scale inputs, far below a bf1
 
 `rope_and_write_kv_*` fuses the rotation with the paged KV-cache write (see kv_write.py
 for the cache layout): decode at small batch is bound by kernel launches, and this
-saves one per layer.
+saves one per layer. An fp8 cache's K/V are stored quantized (fp8.py) by its per-head
+scales `k_scale`, `v_scale`.
 """
 
 import functools
 
 import torch
 
+from spark.engine.kernels import fp8
 from spark.engine.kernels.kv_write import write_kv_reference
 
 # Bound by `jit_cos_sin()` on first use, never at import: `@triton.jit` decides between
@@ -24,6 +26,7 @@ from spark.engine.kernels.kv_write import write_kv_reference
 triton = None
 tl = None
 _cos_sin = None  # bound by `jit_cos_sin()`: Triton finds a called function among the caller's globals
+_quantize = None  # fp8's, bound by `_kernel()`
 
 
 def apply_rope_reference(
@@ -67,6 +70,8 @@ def rope_and_write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k, write the rotated k and v into the paged cache (torch reference).
 
@@ -77,12 +82,13 @@ def rope_and_write_kv_reference(
       inv_freq: `[Dh // 2]` fp32 inverse frequencies.
       k_cache, v_cache: `[num_pages, page_size, Hkv, Dh]`, written in place.
       slot_mapping: `[T]` int64 flat slot of each token; -1 (padding) writes nothing.
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
 
     Returns:
       The rotated q, `[T, H, Dh]` in q's dtype.
     """
     q_rot, k_rot = apply_rope_reference(q, k, positions, inv_freq)
-    write_kv_reference(k_rot, v, k_cache, v_cache, slot_mapping)
+    write_kv_reference(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q_rot
 
 
@@ -95,6 +101,8 @@ def rope_and_write_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k and write the rotated k and v into the paged cache: one launch (Triton).
 
@@ -113,6 +121,7 @@ def rope_and_write_kv_triton(
       k_cache, v_cache: `[num_pages, page_size, Hkv, Dh]`, same strides, written in place.
       slot_mapping: `[T]` int64 flat slot of each token; -1 (padding) still gets its q
         rotated but writes nothing to the cache.
+      k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
 
     Returns:
       The rotated q, `[T, H, Dh]` contiguous, in q's dtype.
@@ -127,11 +136,13 @@ def rope_and_write_kv_triton(
     if num_tokens == 0:
         return q_out
     kernel = _kernel()
+    scaled = k_scale is not None
     kernel[(num_tokens,)](
         q, k, v, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
+        k_scale if scaled else inv_freq, v_scale if scaled else inv_freq,  # unread unless SCALED
         *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_cache.stride(), inv_freq.stride(0),
         num_heads, num_kv_heads, half,
-        PAGE_SIZE=k_cache.shape[1],
+        PAGE_SIZE=k_cache.shape[1], SCALED=scaled,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
@@ -168,15 +179,19 @@ def jit_cos_sin():
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
+    global _quantize
     jit_cos_sin()
+    _quantize = fp8.jit_quantize()
 
     @triton.jit
     def rope_write_kv_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+        k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_qot, stride_qoh, stride_qod, stride_cp, stride_co, stride_ch, stride_cd, stride_f,
         num_heads, num_kv_heads, half,
-        PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, SCALED: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, BLOCK_HALF)
@@ -208,15 +223,21 @@ def _kernel():
         src = k_ptr + token * stride_kt + heads * stride_kh + dims[None, :] * stride_kd
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half * stride_kd, mask=mask, other=0.0).to(tl.float32)
-        k_lo = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        k_hi = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        tl.store(k_cache_ptr + cache_lo, k_lo, mask=mask)
-        tl.store(k_cache_ptr + cache_hi, k_hi, mask=mask)
+        k_lo = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
+        k_hi = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
 
         # v: a plain copy, in the same two halves so that it shares the k addressing.
         src = v_ptr + token * stride_vt + heads * stride_vh + dims[None, :] * stride_vd
         v_lo = tl.load(src, mask=mask)
         v_hi = tl.load(src + half * stride_vd, mask=mask)
+        if SCALED:  # an fp8 cache: each head's values quantized by its scale
+            head_ok = heads < num_kv_heads
+            k_scale = tl.load(k_scale_ptr + heads, mask=head_ok, other=1.0)
+            v_scale = tl.load(v_scale_ptr + heads, mask=head_ok, other=1.0)
+            k_lo, k_hi = _quantize(k_lo.to(tl.float32), k_scale), _quantize(k_hi.to(tl.float32), k_scale)
+            v_lo, v_hi = _quantize(v_lo.to(tl.float32), v_scale), _quantize(v_hi.to(tl.float32), v_scale)
+        tl.store(k_cache_ptr + cache_lo, k_lo.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + cache_hi, k_hi.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_lo, v_lo.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_hi, v_hi.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
-from spark.engine.kernels import activation, fused_moe, norm, small_linear
+from spark.engine.kernels import activation, fp8, fused_moe, norm, small_linear
+from spark.engine.kv_cache import pages_and_scale
 
 if TYPE_CHECKING:
     from spark.engine.attention import AttentionMetadata
@@ -127,18 +128,22 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
     Four launches of the small-row kernel replace the two norms, the gate and the four
     matmuls: each norm, the gate and each residual add ride along with the projection
     next to them (see ``kernels/small_linear.py``): the gate in w13's epilogue for a wide
-    model, in w2's prologue for a small one (``gate_in_epilogue``).
+    model, in w2's prologue for a small one (``gate_in_epilogue``). Under tensor parallelism
+    ``wo`` and ``w2`` give this rank's part, summed over the ranks (``block.tp.reduce``): only
+    rank 0 adds the residual to its part, so that the sum holds it once.
     """
-    attn, ffn = block.attention, block.feed_forward
+    attn, ffn, tp = block.attention, block.feed_forward, block.tp
     qkv = small_linear.small_linear_triton(
         h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
-    h = small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight, residual=h)
+    h = tp.reduce(small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight,
+                                                   residual=h if tp.leads else None))
     ffn_norm = dict(norm_weight=block.ffn_norm.weight, eps=block.ffn_norm.eps)
+    residual = h if tp.leads else None
     if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):
         gated = small_linear.small_linear_triton(h, ffn.w13.weight, gated_output=True, **ffn_norm)
-        return small_linear.small_linear_triton(gated, ffn.w2.weight, residual=h)
+        return tp.reduce(small_linear.small_linear_triton(gated, ffn.w2.weight, residual=residual))
     gate_up = small_linear.small_linear_triton(h, ffn.w13.weight, **ffn_norm)
-    return small_linear.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=h)
+    return tp.reduce(small_linear.small_linear_triton(gate_up, ffn.w2.weight, gated=True, residual=residual))
 
 
 class TritonOps:
@@ -205,16 +210,24 @@ class CpuOps(TorchOps):
             return attention.rope_attend_reference(q, k, v, (cos[:, 0, :half], sin[:, 0, half:]), k_cache, v_cache,
                                                    meta, scale)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
         write = self._write_slots(meta)
+        if k_scale is not None:  # fp8: stored quantized; moved as bytes (the CPU's index ops take no fp8)
+            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            k, v = fp8.quantize_reference(k, k_scale).view(torch.uint8), fp8.quantize_reference(v, v_scale).view(torch.uint8)
         k_flat.index_copy_(0, write, k)
         v_flat.index_copy_(0, write, v)
         slots, mask = self._decode_context(meta, page_size)
         batch, length = slots.shape
         flat = slots.view(-1)
-        keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
+        keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
+        values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
+        if k_scale is not None:
+            keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
+            values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
         out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, head_dim), keys, values,
                                              attn_mask=mask, scale=scale)

@@ -95,6 +95,31 @@ def test_cpu_ops_match_torch_ops_step_by_step(preset, dtype):
                                    rtol=0 if dtype == torch.float32 else 0.02, atol=1e-5 if dtype == torch.float32 else 0.05)
 
 
+@pytest.mark.parametrize("ops", [TritonOps, CpuOps])
+def test_an_fp8_cache_step_by_step(ops):
+    """TritonOps (the fused decode kernel, the rope + write kernel, prefill) and CpuOps (bytes moved by
+    index ops) against TorchOps with fp8 caches of per-head scales: the same K/V bits stored, the same
+    hidden states up to the rounding of a few stored values."""
+    from spark.engine.kernels.fp8 import FP8
+
+    source = resolve_model("dummy:tiny-llama")
+    ref, _ = _model(source, TorchOps(), torch.float32)
+    other, _ = _model(source, ops(), torch.float32)
+    ref_cache, other_cache = (KVCache(source.config, 24, PAGE, FP8, torch.device("cpu")) for _ in range(2))
+    for cache in (ref_cache, other_cache):
+        cache.scales.copy_(torch.linspace(0.01, 0.05, cache.scales.numel()).view(cache.scales.shape))
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for chunks, decode_only in STEPS:
+            positions, meta = _step(chunks, decode_only)
+            ids = torch.randint(0, source.config.vocab_size, positions.shape, generator=gen)
+            expected = ref(ids, positions, ref_cache.layers, meta)
+            got = other(ids, positions, other_cache.layers, meta)
+            assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+    same = (other_cache.storage.view(torch.uint8) == ref_cache.storage.view(torch.uint8)).float().mean()
+    assert same > 0.99
+
+
 def test_small_row_kernel_path_of_a_wide_model(bf16_rounds_to_nearest, monkeypatch):
     """40 decode rows of a 2048-wide bf16 model: wo and w2 split over K, the gate in w13's epilogue."""
     from triton.runtime import interpreter
