@@ -39,7 +39,8 @@ def _interrupted(exc: BaseException) -> bool:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     """The ``spark`` command's parser, and each subcommand's handler."""
-    from spark.serve_config import REASONING_PARSER_CHOICES, SCHEDULER_POLICIES, TOOL_CALL_PARSER_CHOICES
+    from spark.serve_config import (KV_CACHE_DTYPE_CHOICES, REASONING_PARSER_CHOICES, SCHEDULER_POLICIES,
+                                    TOOL_CALL_PARSER_CHOICES)
 
     parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
     parser.add_argument("--version", action="version", version=f"spark {_version()}")
@@ -84,6 +85,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                      help="engine steps launched ahead of their results (default 2)")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="context length in tokens (default: the model's, or its recipe's)")
+    srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=None,
+                     help="the KV cache's dtype: auto (default: the model's) or fp8 (e4m3 with per-head scales: "
+                          "twice the tokens in the same memory)")
     srv.add_argument("--weight-format", choices=("int4", "int8", "dense"), default=None,
                      help="the weights on the CPU: int4 (default), int8, or dense float32 (batch-invariant)")
     srv.add_argument("--cpu-threads", "--threads", type=int, default=None,
@@ -198,6 +202,7 @@ def _serve(args) -> int:
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, tbt_deadline_ms=args.tbt_deadline_ms,
         ttft_bound_s=args.ttft_bound_s, max_model_len=args.max_model_len,
         cpu_threads=args.cpu_threads, weight_format=args.weight_format, api_keys=tuple(args.api_key) if args.api_key else None,
+        kv_cache_dtype=args.kv_cache_dtype,
         recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, config_dir=_config_dir(args.config_dir),
         **_state_paths(args.state_dir, args.port),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

@@ -23,6 +23,8 @@ SCHEDULER_POLICIES = tuple(POLICIES)  # the registry's names
 # "auto" (the format the chat template shows) and "none" (no parsing).
 TOOL_CALL_PARSER_CHOICES = ("auto", "none", *parsers.TOOL_PARSERS)
 REASONING_PARSER_CHOICES = ("auto", "none", *parsers.REASONING_PARSERS)
+# The KV cache dtypes (spark.engine.kv_cache.KV_DTYPES, named here without importing torch).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 
 
 @attrs.frozen
@@ -73,6 +75,9 @@ class ServeConfig:
     spec_max_batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     page_size: int = 16
     kv_cache_bytes: int | None = None  # KV cache budget; from free memory by default
+    # The KV cache's dtype: "auto" (the model's) or "fp8" (e4m3 with per-head scales: twice the tokens
+    # in the same bytes, half the bytes a decode step reads; spark/engine/kv_cache.py).
+    kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPE_CHOICES))
     max_model_len: int | None = None  # context length; the model's by default
     api_keys: tuple[str, ...] = ()  # when set, every /v1 request needs one as a Bearer token
     rate_limit_rps: float = 0.0  # per API key; 0 = unlimited

@@ -17,6 +17,21 @@ def test_a_bad_scheduler_depth_names_the_variable(value):
         ServeConfig.from_env({"SPARK_SCHEDULER_DEPTH": value})
 
 
+def test_the_kv_cache_dtype_from_flag_or_variable(capsys):
+    from spark.cli import main
+    from spark.engine.kv_cache import KV_DTYPES
+    from spark.serve_config import KV_CACHE_DTYPE_CHOICES
+
+    assert KV_CACHE_DTYPE_CHOICES == KV_DTYPES
+    assert ServeConfig.from_env({}).kv_cache_dtype == "auto"
+    assert ServeConfig.from_env({"SPARK_KV_CACHE_DTYPE": "fp8"}).kv_cache_dtype == "fp8"
+    assert ServeConfig.from_env({"SPARK_KV_CACHE_DTYPE": "fp8"}, kv_cache_dtype="auto").kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        ServeConfig.from_env({"SPARK_KV_CACHE_DTYPE": "int8"})
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--kv-cache-dtype {auto,fp8}" in capsys.readouterr().out
+
 
 def test_parser_choices_are_the_registrys_names():
     from spark import parsers

@@ -47,6 +47,8 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
                   max_model_len=config.max_model_len)
     kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype),
                                      ("weight_format", config.weight_format)) if v is not None})
+    if config.kv_cache_dtype != "auto":
+        kwargs["kv_dtype"] = config.kv_cache_dtype
     threads = config.resolved_cpu_threads()
     kwargs["adapt_cpu_threads"] = config.cpu_threads is None  # a count the user gave stays
     # Ready means warm: every step shape this server will plan runs once before it answers (GPU).

@@ -23,7 +23,7 @@ lifecycle: draft
 tier: medium
 context:
   default: 8192                     # context length (tokens)
-  kv_dtype: auto                    # auto | bfloat16 | float16 | float32 (the KV cache shares the model dtype)
+  kv_dtype: auto                    # auto | bfloat16 | float16 | float32 (the model's, shared by the KV cache) | fp8 (KV cache only)
 scheduler:
   policy: slai                      # {policy_choices}
   max_batch_size: 64

@@ -19,7 +19,7 @@ from cattrs.gen import make_dict_structure_fn, override
 ENGINES = ("spark", "upstream")
 LIFECYCLES = ("draft", "testing", "works", "production", "promote")
 TIERS = ("light", "medium", "heavy")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
 # Speculative methods: Spark's engine drafts by n-gram lookup; the others name what an upstream engine
 # was launched with (vLLM's MTP/EAGLE, DFlash, DSpark), for people and the portal.
 SPARK_SPECULATIVE = ("ngram", "none")
@@ -32,7 +32,9 @@ RESERVED_NAMES = ("sparky", "sparky-think", "sparky-fast")
 @attrs.frozen
 class Context:
     default: int | None = None  # context length; the model's own when None
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # spark: the KV cache shares the model dtype
+    # Spark: a dtype names the model's, which the KV cache shares; fp8 keeps the model's dtype and the KV
+    # cache in e4m3 with scales (ServeConfig.kv_cache_dtype).
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
     # The control plane's name for the KV cache's dtype. Spark's engine: one of KV_DTYPES, as kv_dtype;
     # an upstream recipe: what its engine was launched with (fp8, q8_0, ...), shown, not enforced.
     kv_default: str | None = None
@@ -125,6 +127,8 @@ class Recipe:
     parsers: Parsers = Parsers()
     sampling: Sampling = Sampling()
     speculative: Speculative | None = None  # None: the server's (off by default)
+    # Spark's engine: the model split over this many GPUs (tensor parallelism); None: the server's (1).
+    world_size: int | None = attrs.field(default=None, validator=lambda _, __, value: _check_world_size(value))
     lifecycle: Literal["draft", "testing", "works", "production"] = "testing"
     tier: Literal["light", "medium", "heavy"] = "medium"
     roi_profile: str | None = None  # an id in <recipes>/roi-profiles.yaml: the cloud model its usage is priced as
@@ -158,6 +162,11 @@ class Recipe:
             return "dummy", attrs.evolve(dummy_config(dummy.preset), **_model_config_fields(dummy.config))
         path = self.model_path()
         return (str(path) if path is not None else self.model), None
+
+
+def _check_world_size(value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"expected at least 1 rank, got {value}")
 
 
 def _model_config_fields(overrides: dict) -> dict:

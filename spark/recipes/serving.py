@@ -53,6 +53,10 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
     }
     if sched.prefix_caching is not None:
         changes["prefix_caching"] = sched.prefix_caching
+    if recipe.engine == "spark" and recipe.context.kv == "fp8":
+        changes["kv_cache_dtype"] = "fp8"
+    if recipe.world_size is not None:
+        changes["world_size"] = recipe.world_size
     spec = recipe.speculative
     if spec is not None:
         changes["speculative"] = None if spec.method == "none" else spec.method
@@ -66,9 +70,10 @@ def recipe_config(base: ServeConfig, recipe: Recipe) -> ServeConfig:
 
 
 def engine_dtype(recipe: Recipe):
-    """The torch dtype of the model and its KV cache (Spark's KV cache shares the model's), or None."""
+    """The torch dtype of the model and its KV cache (Spark's KV cache shares the model's unless it is
+    fp8, ``recipe_config``'s ``kv_cache_dtype``), or None: the device's default."""
     kv = recipe.context.kv
-    if kv == "auto":
+    if kv in ("auto", "fp8"):
         return None
     import torch
 

@@ -64,9 +64,25 @@ def test_the_seed_recipe_loads_with_its_fields(recipes):
     assert str(engine_dtype(catalog.get("local-a"))) == "torch.bfloat16"  # kv_default is kv_dtype for Spark's engine
 
 
+def test_an_fp8_kv_cache_keeps_the_model_dtype(recipes):
+    """``kv_default: fp8`` (the seed's) or ``kv_dtype: fp8`` on a Spark recipe: the model in its default
+    dtype, the KV cache in fp8 (issue 22)."""
+    from spark.recipes.serving import recipe_config
+    from spark.serve_config import ServeConfig
+
+    (recipes / "local-b.yaml").write_text(LOCAL.format(id="local-b") + "context:\n  kv_default: fp8\n")
+    (recipes / "local-c.yaml").write_text(LOCAL.format(id="local-c") + "context:\n  kv_dtype: fp8\n")
+    catalog = load_recipes(recipes)
+    assert catalog.problems == ()
+    for name in ("local-b", "local-c"):
+        recipe = catalog.get(name)
+        assert engine_dtype(recipe) is None and recipe_config(ServeConfig(), recipe).kv_cache_dtype == "fp8"
+    assert recipe_config(ServeConfig(), catalog.get("local-a")).kv_cache_dtype == "auto"
+
+
 @pytest.mark.parametrize("extra, where, message", [
     ("inventory_path: nvidia/qwen3.6\n", "$", "unknown field inventory_path"),  # truly unknown: still refused
-    ("context:\n  kv_default: fp8\n", "$.context.kv_default", "Spark's engine keeps its KV cache in one of"),
+    ("context:\n  kv_default: q8_0\n", "$.context.kv_default", "Spark's engine keeps its KV cache in one of"),
     ("context:\n  kv_dtype: float16\n  kv_default: bfloat16\n", "$.context.kv_default", "contradicts kv_dtype"),
     ("speculative:\n  method: dflash\n", "$.speculative.method", "an upstream engine's method"),
     ("roi_profile: nope\n", "$.roi_profile", "no ROI profile 'nope'"),
