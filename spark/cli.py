@@ -85,6 +85,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                      help="engine steps launched ahead of their results (default 2)")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="context length in tokens (default: the model's, or its recipe's)")
+    srv.add_argument("--world-size", type=int, default=None,
+                     help="split the model over this many GPUs (tensor parallelism; on the CPU, processes over gloo), "
+                          "one engine process each (default 1; under torchrun: its WORLD_SIZE)")
     srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=None,
                      help="the KV cache's dtype: auto (default: the model's) or fp8 (e4m3 with per-head scales: "
                           "twice the tokens in the same memory)")
@@ -201,7 +204,8 @@ def _serve(args) -> int:
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, tbt_deadline_ms=args.tbt_deadline_ms,
         ttft_bound_s=args.ttft_bound_s, max_model_len=args.max_model_len,
-        cpu_threads=args.cpu_threads, weight_format=args.weight_format, api_keys=tuple(args.api_key) if args.api_key else None,
+        cpu_threads=args.cpu_threads, weight_format=args.weight_format, world_size=args.world_size,
+        api_keys=tuple(args.api_key) if args.api_key else None,
         kv_cache_dtype=args.kv_cache_dtype,
         recipe=args.recipe, recipes_dir=args.recipes, admin_key=args.admin_key, config_dir=_config_dir(args.config_dir),
         **_state_paths(args.state_dir, args.port),
@@ -210,6 +214,10 @@ def _serve(args) -> int:
         prefix_caching=args.prefix_caching, warm_up=args.warm_up, speculative=args.speculative, spec_tokens=args.spec_tokens,
         spec_ngram=args.spec_ngram, spec_max_batch=args.spec_max_batch,
     )
+    from spark.engine.ranks import follows_torchrun
+
+    if follows_torchrun(config.world_size, config.device):  # a rank > 0 of torchrun's: no server, it follows rank 0
+        return 0
     serve(config, access_log=args.access_log)
     return 0
 

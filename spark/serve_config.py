@@ -74,6 +74,9 @@ class ServeConfig:
     # positions cost about what they give.
     spec_max_batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     page_size: int = 16
+    # Tensor parallelism: the model split over this many ranks (GPUs; CPU processes over gloo), one engine
+    # process each, rank 0 scheduling for all (spark/engine/ranks.py). Torchrun may start the ranks instead.
+    world_size: int = attrs.field(default=1, validator=lambda _, __, value: _check_world_size(value))
     kv_cache_bytes: int | None = None  # KV cache budget; from free memory by default
     # The KV cache's dtype: "auto" (the model's) or "fp8" (e4m3 with per-head scales: twice the tokens
     # in the same bytes, half the bytes a decode step reads; spark/engine/kv_cache.py).
@@ -128,7 +131,10 @@ class ServeConfig:
     usage_path: str | None = None  # token counters per recipe, kept across restarts; None: in memory only
 
     def uses_engine_process(self) -> bool:
-        """Whether the engine runs in a process of its own (``engine_process``: auto = on a GPU)."""
+        """Whether the engine runs in a process of its own (``engine_process``: auto = on a GPU; always with
+        more than one rank: rank 0 is that process)."""
+        if self.world_size > 1:
+            return True
         if self.engine_process != "auto":
             return self.engine_process == "on"
         if self.device is not None:
@@ -195,6 +201,11 @@ class ServeConfig:
             lines = (cattrs.transform_error(exc, path="SPARK", format_exception=_describe)
                      if isinstance(exc, cattrs.BaseValidationError) else [str(exc)])
             raise ValueError("; ".join(lines)) from None
+
+
+def _check_world_size(value: int) -> None:
+    if value < 1:
+        raise ValueError(f"world_size {value}: needs at least 1 rank")
 
 
 def _describe(exc: BaseException, tp: type | None) -> str:

@@ -14,6 +14,10 @@ The parent holds an ``EngineProcess``: the engine facts admission needs (tokeniz
 vocabulary, context, page pool), ``transport()`` for ``run_host``, and ``close``.
 ``serve`` is the child's body: load, report, then serve one session per actor
 system the server opens, until told to stop.
+
+With ``world_size`` > 1 the child is rank 0 of a tensor-parallel group: ``start`` spawns
+ranks 1..N-1 beside it (``spark.engine.ranks``; under torchrun they exist already), the
+child's engine is their ``Leader``, and closing the child closes them.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ _JOIN_SECONDS = 30.0  # a session's end waits this long for the child's steps un
 class EngineProcess:
     """A handle on the engine process (``start`` it; ``close`` it): a ``LoadedEngine``."""
 
-    def __init__(self, process, conn, facts: EngineFacts, tokenizer):
+    def __init__(self, process, conn, facts: EngineFacts, tokenizer, followers=None):
         self._process, self._conn = process, conn
+        self._followers = followers  # ranks.Followers this process spawned, if any
         self.tokenizer = tokenizer
         self.vocab_size = facts.vocab_size
         self.max_model_len = facts.max_model_len
@@ -47,25 +52,36 @@ class EngineProcess:
 
     @classmethod
     def start(cls, model: str | None, *, graphs_max_batch: int = 0, cpu_threads: int | None = None,
-              warm=None, **load_kwargs) -> "EngineProcess":
+              warm=None, world_size: int = 1, **load_kwargs) -> "EngineProcess":
         """Spawn the process, load ``model`` there (``Engine.load`` kwargs) and wait until it is ready.
 
         Args:
           cpu_threads: torch's intra-op threads there, when it runs on the CPU; None: torch's default.
           warm: the ``warmup.WarmupShape`` to warm the engine for before it reports ready (None: not warmed).
+          world_size: tensor-parallel ranks; the others are spawned here unless torchrun started them.
 
         Raises:
             ModelLoadError: the model cannot be read (as ``Engine.load`` would raise).
+            ValueError: the model does not split over ``world_size`` ranks.
         """
         from spark.engine.tokenizer import Tokenizer
         from spark.engine.errors import ModelLoadError
         from spark.engine.weights import resolve_model
 
         source = resolve_model(model, dummy_config=load_kwargs.get("dummy_config"))  # fails fast, here
+        source.config.shard(world_size)  # and so does a model the ranks cannot split
+        followers, rank_env = None, {}
+        if world_size > 1:
+            from spark.engine import ranks
+
+            load_kwargs = {**load_kwargs, "world_size": world_size}
+            if not ranks.started_by_torchrun():  # else the child joins torchrun's group, rendezvous inherited
+                followers = ranks.start_followers(world_size, load_kwargs.get("device"), cpu_threads=cpu_threads)
+                rank_env = followers.env
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch, cpu_threads, warm),
-                              daemon=True)
+        process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch, cpu_threads, warm,
+                                                  rank_env), daemon=True)
         process.start()
         child.close()
         try:
@@ -74,10 +90,12 @@ class EngineProcess:
             reply = LoadFailure(f"the engine process exited with status {process.join(5) or process.exitcode}")
         if isinstance(reply, LoadFailure):
             process.join(5)
+            if followers is not None:
+                followers.stop(timeout=5.0)
             if reply.load_error:
                 raise ModelLoadError(source.path or model, reply.message)
             raise RuntimeError(f"engine process failed to start: {reply.message}")
-        return cls(process, parent, reply, Tokenizer.for_source(source))
+        return cls(process, parent, reply, Tokenizer.for_source(source), followers)
 
     def transport(self) -> "ProcessTransport":
         return ProcessTransport(self._conn)
@@ -92,6 +110,8 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+        if self._followers is not None:  # the child closed them on its way out
+            self._followers.stop(timeout)
 
 
 class ProcessTransport:
@@ -144,12 +164,17 @@ def send_loop(conn, sends: queue.SimpleQueue) -> None:
 # -- the child --------------------------------------------------------------------------------------
 
 
-def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=None) -> None:
-    """The engine process: load, report, then serve sessions until told to stop."""
+def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=None, rank_env=None) -> None:
+    """The engine process: load, report, then serve sessions until told to stop.
+
+    ``rank_env``: the tensor-parallel rendezvous (``MASTER_ADDR``, ``MASTER_PORT``) this rank 0 joins."""
+    import os
+
     from spark.engine.device import use_cpu_threads
     from spark.engine.errors import ModelLoadError
     from spark.engine.warmup import load_warm
 
+    os.environ.update(rank_env or {})
     if cpu_threads is not None:
         use_cpu_threads(load_kwargs.get("device"), cpu_threads)
     try:
@@ -163,17 +188,20 @@ def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=Non
     conn.send(EngineFacts(engine.vocab_size, engine.max_model_len, engine.num_pages, engine.page_size))
     gc_tuning.settle()  # this process only schedules and steps: no collector pause in a launch
     capture = graphs_max_batch > 0 and engine.enable_cuda_graphs(graphs_max_batch)
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return  # the parent is gone
-        if not isinstance(message, Session):
-            return  # None: stop
-        stop, capture = run_session(engine, conn, message.config, capture)
-        if stop:
-            return
-        conn.send(SessionEnded())
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return  # the parent is gone
+            if not isinstance(message, Session):
+                return  # None: stop
+            stop, capture = run_session(engine, conn, message.config, capture)
+            if stop:
+                return
+            conn.send(SessionEnded())
+    finally:
+        engine.close()  # a tensor-parallel leader closes its followers with it
 
 
 def run_session(engine, conn, config: ServeConfig, capture: bool) -> tuple[bool, bool]:

@@ -45,6 +45,8 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
     model = config.model if model is None else model
     kwargs = dict(device=config.device, page_size=config.page_size, kv_cache_bytes=config.kv_cache_bytes,
                   max_model_len=config.max_model_len)
+    if config.world_size > 1:  # tensor parallelism: the engine process leads the ranks (spark.engine.ranks)
+        kwargs["world_size"] = config.world_size
     kwargs.update({k: v for k, v in (("dummy_config", dummy_config), ("dtype", dtype),
                                      ("weight_format", config.weight_format)) if v is not None})
     if config.kv_cache_dtype != "auto":

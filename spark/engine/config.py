@@ -65,6 +65,30 @@ class ModelConfig:
         """Whether ``layer``'s feed-forward is the routed experts rather than a dense MLP."""
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    def shard(self, world_size: int) -> "ModelConfig":
+        """One rank's slice under tensor parallelism over ``world_size`` ranks: its attention heads,
+        KV heads and MLP width (``spark.engine.parallel``). The vocabulary is split apart from this
+        (padded to a multiple of the ranks), so ``vocab_size`` stays the model's.
+
+        Raises:
+          ValueError: a model these ranks cannot split, in one line.
+        """
+        if world_size < 1:
+            raise ValueError(f"world size {world_size}: needs at least 1 rank")
+        if world_size == 1:
+            return self
+        if self.num_experts:
+            raise ValueError(f"world size {world_size}: {self.arch} is a mixture of experts, which tensor "
+                             f"parallelism does not split yet; serve it with world size 1")
+        for what, n in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                        ("MLP width", self.intermediate_size)):
+            if n % world_size:
+                raise ValueError(f"world size {world_size}: the model's {n} {what} do not divide over "
+                                 f"{world_size} ranks")
+        return attrs.evolve(self, num_heads=self.num_heads // world_size,
+                            num_kv_heads=self.num_kv_heads // world_size,
+                            intermediate_size=self.intermediate_size // world_size)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes one token occupies in the KV cache over all layers (K and V)."""
         return 2 * self.num_layers * self.kv_size * dtype_bytes

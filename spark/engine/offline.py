@@ -6,6 +6,7 @@ every prompt submitted at once: the same plans, the same overlap of host and dev
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Sequence as Seq
 
@@ -51,7 +52,8 @@ def generate(
     limits = Limits(max_prefill_tokens=max_prefill_tokens or engine.max_model_len)
     scheduler = Scheduler(engine.new_page_allocator(), make_policy("fifo", limits), max_batch_size=max_batch_size)
     core = Core(engine, scheduler, speculation=speculation)
-    base = object()  # private ids: never collide with a caller's sequences
+    # Private ids, never a caller's; they must survive pickling equal (a tensor-parallel leader sends them).
+    base = ("generate", uuid.uuid4().hex)
     ids = [(base, i) for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, params):
         core.submit(request_id, prompt, p)

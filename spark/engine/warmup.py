@@ -156,11 +156,19 @@ def warm_up(engine, shape: WarmupShape, *, progress: bool = True, any_device: bo
     return seconds
 
 
-def load_warm(model: str | None, shape: WarmupShape | None, **load_kwargs):
-    """``Engine.load(model, **load_kwargs)``, then ``warm_up`` for ``shape`` (None: not warmed)."""
+def load_warm(model: str | None, shape: WarmupShape | None, *, world_size: int = 1, **load_kwargs):
+    """``Engine.load(model, **load_kwargs)``, then ``warm_up`` for ``shape`` (None: not warmed).
+
+    With ``world_size`` > 1 this process is rank 0 of a tensor-parallel group whose followers are
+    started already (``spark.engine.ranks``): it returns their ``Leader``, warmed on every rank."""
     from spark.engine.engine import Engine
 
-    engine = Engine.load(model, **load_kwargs)
+    if world_size > 1:
+        from spark.engine.ranks import lead
+
+        engine = lead(model, world_size=world_size, **load_kwargs)
+    else:
+        engine = Engine.load(model, **load_kwargs)
     if shape is not None:
         warm_up(engine, shape, progress=load_kwargs.get("progress", True))
     return engine

@@ -164,6 +164,14 @@ class Recipe:
         return (str(path) if path is not None else self.model), None
 
 
+def _world_size(value, _) -> int | None:
+    """A recipe's ``world_size``, checked while structuring, so that the error names its path."""
+    if value is not None:
+        _strict(int, "an int")(value, int)
+    _check_world_size(value)
+    return value
+
+
 def _check_world_size(value: int | None) -> None:
     if value is not None and value < 1:
         raise ValueError(f"expected at least 1 rank, got {value}")
@@ -231,7 +239,8 @@ def _string_list(value, _) -> tuple[str, ...]:
 
 def _section(cl: type, conv: cattrs.Converter):
     """A mapping check in front of cattrs' generated function (YAML's empty ``context:`` is None)."""
-    omit = {"path": override(omit=True), "draft": override(omit=True)} if cl is Recipe else {}
+    omit = {"path": override(omit=True), "draft": override(omit=True),
+            "world_size": override(struct_hook=_world_size)} if cl is Recipe else {}
     structure = make_dict_structure_fn(cl, conv, _cattrs_forbid_extra_keys=True, **omit)
 
     def checked(value, tp):

@@ -8,7 +8,11 @@ Weights arrive with Hugging Face names and layout; q/k/v and gate/up are fused
 at load time so that each block runs two big matmuls instead of five.
 
 This file is the math; which kernels run it is ``ops`` (``models/ops.py``), handed
-to every module once at construction by the ``Runtime``.
+to every module once at construction by the ``Runtime``. Under tensor parallelism
+(``runtime.tp``, ``spark/engine/parallel.py``) the blocks are built from this rank's
+slice of the config (``config.shard``): its heads and MLP width; ``wo`` and ``w2`` then
+give partial sums that ``tp.reduce`` adds up over the ranks, and the embedding and the
+head hold this rank's rows of the vocabulary.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from spark.engine.attention import AttentionMetadata
 from spark.engine.config import ModelConfig
 from spark.engine.models.ops import Ops
 from spark.engine.models.runtime import Runtime
+from spark.engine.parallel import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -64,9 +69,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, ops: Ops, tp: TensorParallel = SINGLE):
+        """``config``: this rank's slice (its heads), under tensor parallelism ``tp``."""
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -78,7 +84,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, D]; rope: from ops.rope, once a step
-        return self.ops.project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo)
+        return self.tp.reduce(self.ops.project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo))
 
     def attend(self, qkv, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of projected ``qkv`` [T, q + 2 kv] over the cache (this step's K/V written). Returns [T, q]."""
@@ -95,23 +101,24 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, ops: Ops, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)  # gate, up
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.swiglu(x, self.w13, self.w2)  # w2(silu(gate) * up)
+        return self.tp.reduce(self.ops.swiglu(x, self.w13, self.w2))  # w2(silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, ops: Ops, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.attention = Attention(config, ops)
+        self.attention = Attention(config, ops, tp)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.feed_forward = FeedForward(config, ops)
+        self.feed_forward = FeedForward(config, ops, tp)
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta):
         """x: the previous block's output, residual: the stream before it (None at the first block).
@@ -134,30 +141,38 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, runtime: Runtime):
         super().__init__()
         self.config = config
+        self.tp = tp = runtime.tp
+        self.shard = config.shard(tp.world_size)  # this rank's heads and MLP width
         ops = self.ops = runtime.ops
+        rows = tp.vocab_rows(config.vocab_size)  # this rank's rows of the vocabulary
         # _weight: no random init, whose meta-device kernel would import torch._dynamo (130 MB resident).
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
-                                           _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(self.make_block(config, ops, i) for i in range(config.num_layers))
+        self.tok_embeddings = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
+        self.layers = nn.ModuleList(self.make_block(self.shard, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         # Batch-1 decode reads every weight for one row: the fused small-row block, where the
         # kernels have it (its prologue-fused projections take no bias).
         self.one_row = ops.fuses_one_row and not config.attention_bias
 
     def make_block(self, config: ModelConfig, ops: Ops, layer: int) -> nn.Module:
-        """Layer ``layer``'s block (a family with other blocks overrides this)."""
-        return Block(config, ops)
+        """Layer ``layer``'s block, of this rank's slice ``config`` (a family with other blocks overrides this)."""
+        return Block(config, ops, self.tp)
 
     @staticmethod
     def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """The checkpoint this model loads, which ``weights.iter_weights`` validates a source against."""
         return hf_weight_shapes(config)
 
+    @staticmethod
+    def weight_slice(config: ModelConfig, tp: TensorParallel, name: str) -> tuple[int, int, int] | None:
+        """The slice of the HF tensor ``name`` that rank ``tp.rank`` holds: (dim, start, length); None: all."""
+        return hf_weight_slice(config, tp, name)
+
     def weight_target(self, name: str) -> tuple[str, int | tuple[int, int] | None]:
-        """Where the HF tensor ``name`` goes: (parameter, None | row offset | (expert, row offset))."""
-        return _hf_to_spark(name, self.config)
+        """Where the HF tensor ``name`` (this rank's slice of it) goes: (parameter, None | row offset |
+        (expert, row offset))."""
+        return _hf_to_spark(name, self.shard)
 
     def init_buffers(self) -> None:
         """Recompute the non-persistent buffers, which ``to_empty()`` left uninitialised."""
@@ -171,7 +186,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         rope = self.ops.rope(positions, self.inv_freq)
-        x, residual = self.tok_embeddings(input_ids), None  # [T, D]
+        x, residual = self.tp.embed(self.tok_embeddings, input_ids, self.config.vocab_size), None  # [T, D]
         if self.one_row and input_ids.shape[0] == 1:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 x = self.ops.block_one_row(layer, x, rope, k_cache, v_cache, meta)
@@ -181,10 +196,12 @@ class LlamaModel(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, D] -> logits [N, V] in fp32."""
+        """hidden: [N, D] -> logits [N, V] in fp32 (every rank's rows, gathered, under tensor parallelism)."""
         if self.output is None:  # tied (packed weights give the head a module of its own, sharing the rows)
-            return torch.nn.functional.linear(hidden, self.tok_embeddings.weight).float()
-        return self.output(hidden).float()
+            logits = torch.nn.functional.linear(hidden, self.tok_embeddings.weight)
+        else:
+            logits = self.output(hidden)
+        return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -196,7 +213,10 @@ class LlamaModel(nn.Module):
             param = params[target]
             if isinstance(offset, tuple):  # (expert, rows) of a stacked expert weight
                 param = param[offset[0]]
-            if offset is None:
+            if offset is None and tensor.shape[0] < param.shape[0]:  # the last rank's vocabulary, padded
+                param[tensor.shape[0]:].zero_()
+                param[: tensor.shape[0]].copy_(tensor)
+            elif offset is None:
                 param.copy_(tensor)
             else:
                 param.narrow(0, offset[1] if isinstance(offset, tuple) else offset, tensor.shape[0]).copy_(tensor)
@@ -233,6 +253,33 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
+
+
+# Tensor parallelism: the HF tensors split along their output rows (each rank its heads, its MLP
+# columns) and those split along their input (the rows' partial products, summed over ranks).
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def hf_weight_slice(config: ModelConfig, tp: TensorParallel, name: str) -> tuple[int, int, int] | None:
+    """(dim, start, length) of the HF tensor ``name`` that rank ``tp.rank`` of ``tp.world_size`` holds;
+    None when every rank holds all of it (norms)."""
+    if tp.world_size == 1:
+        return None
+    if name in _VOCAB:
+        rows = tp.vocab_rows(config.vocab_size)
+        start = tp.rank * rows
+        return 0, start, max(0, min(rows, config.vocab_size - start))
+    parts = name.split(".")
+    proj = parts[-2] if len(parts) >= 2 else ""
+    if proj not in _COLUMN_PARALLEL and proj not in _ROW_PARALLEL:
+        return None
+    whole = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size, "o_proj": config.q_size,
+             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size,
+             "down_proj": config.intermediate_size}[proj]
+    share = whole // tp.world_size
+    return (0 if proj in _COLUMN_PARALLEL else 1), tp.rank * share, share
 
 
 _LAYER_MAP = {

@@ -11,7 +11,7 @@ import importlib.util
 import math
 import os
 import pathlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import attrs
 import cattrs
@@ -135,8 +135,12 @@ def check_weight_shapes(
             raise ModelLoadError(path, f"tensor {name} has shape {tuple(found[name])}, expected {shape}")
 
 
+Slice = tuple[int, int, int]  # (dim, start, length) of a tensor
+
+
 def iter_weights(
-    source: ModelSource, *, dtype: torch.dtype, device: str | torch.device = "cpu", progress: bool = True
+    source: ModelSource, *, dtype: torch.dtype, device: str | torch.device = "cpu", progress: bool = True,
+    select: Callable[[str], Slice | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor in ``dtype`` on ``device``), one tensor at a time.
 
@@ -149,6 +153,8 @@ def iter_weights(
       dtype: dtype of the yielded tensors (GGUF weights are dequantized to fp32 first).
       device: where the yielded tensors live.
       progress: report progress (a bar on a TTY, else a log line every ~10%).
+      select: the part of each tensor to yield, by name (a tensor-parallel rank's slice); None: all.
+        An HF checkpoint reads only that part; GGUF and dummy tensors are sliced once made.
 
     Raises:
       ModelLoadError: missing, extra or misshapen tensors; unreadable data.
@@ -159,7 +165,8 @@ def iter_weights(
         tensors = gguf.iter_gguf_tensors(source.path, source.config)
     elif source.kind == "hf":
         check_weight_shapes(source.path, hf.hf_tensor_shapes(source.path, source.config), expected)
-        tensors = hf.iter_hf_tensors(source.path, source.config)
+        tensors = hf.iter_hf_tensors(source.path, source.config, select)
+        select = None  # sliced as read
     elif source.kind == "dummy":
         tensors = dummy.iter_dummy_tensors(expected, seed=source.dummy_seed, dtype=dtype, device=device)
     else:
@@ -171,7 +178,7 @@ def iter_weights(
     total = on_disk or expanded * dtype.itemsize
     desc = source.path.name if source.path is not None else "dummy weights"
     return _converted(tensors, LoadProgress(total, desc, enabled=progress), total / max(1, expanded),
-                      dtype=dtype, device=device)
+                      dtype=dtype, device=device, select=select)
 
 
 def _bytes_on_disk(path: pathlib.Path) -> int:
@@ -181,11 +188,14 @@ def _bytes_on_disk(path: pathlib.Path) -> int:
     return path.stat().st_size
 
 
-def _converted(tensors, bar: LoadProgress, bytes_per_element: float, *, dtype, device
+def _converted(tensors, bar: LoadProgress, bytes_per_element: float, *, dtype, device, select=None
                ) -> Iterator[tuple[str, torch.Tensor]]:
     # A separate generator so that iter_weights validates when called, not at the first next().
     with bar:
         for name, tensor in tensors:
+            part = select(name) if select is not None else None
+            if part is not None:
+                tensor = tensor.narrow(*part)
             # Move first, then cast: on a GPU the cast is free, on the host it is not.
             tensor = tensor.to(device=device).to(dtype=dtype)
             bar.advance(round(tensor.numel() * bytes_per_element))

@@ -22,6 +22,12 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=_LLAMA3_SCALING, max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
     ),
+    "llama-3.1-70b": ModelConfig(  # 140 GB in bf16: more than one GPU holds (tensor parallelism)
+        arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_SCALING, max_position_embeddings=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
     "smollm2-135m": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,

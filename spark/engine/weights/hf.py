@@ -181,15 +181,24 @@ def hf_tensor_shapes(directory: str | os.PathLike, config: ModelConfig) -> dict[
     return shapes
 
 
-def iter_hf_tensors(directory: str | os.PathLike, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor in its stored dtype), one at a time, shard by shard."""
+def iter_hf_tensors(directory: str | os.PathLike, config: ModelConfig, select=None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor in its stored dtype), one at a time, shard by shard.
+
+    ``select(name)``: (dim, start, length), the only part of that tensor to read (a tensor-parallel
+    rank's slice), or None for all of it."""
     for file in shard_files(directory):
         with _open(file) as f:
             for name in f.keys():
                 if _skip(name, config):
                     continue
                 try:
-                    tensor = f.get_tensor(name)
+                    part = select(name) if select is not None else None
+                    if part is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        dim, start, length = part
+                        tensor = f.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
                 except Exception as e:
                     raise ModelLoadError(file, f"cannot read tensor {name} ({e})") from e
                 yield name, tensor
