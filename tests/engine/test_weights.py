@@ -433,3 +433,28 @@ def test_progress_counts_the_bytes_on_disk(caplog, monkeypatch):
     size = default_model_path().stat().st_size
     assert seen and all(total == size for total, _ in seen)
     assert abs(sum(n for _, n in seen) - size) <= len(seen)  # rounding of each tensor's share at most
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_tensors_dequantized_in_row_blocks_equal_whole_ones(tmp_path, monkeypatch, qtype, dtype):
+    """Blocks of 3 rows (a 2 KB budget) into one output give what dequantizing each tensor whole, undoing
+    llama.cpp's q/k order and casting gave: every type's rows are separate, the row order comes back."""
+    from spark.engine.weights import gguf as spark_gguf
+
+    config = dummy_config("tiny-llama")
+    weights = random_weights(config, seed=2)
+    path = write_gguf(tmp_path / "b.gguf", config, weights, qtype=lambda n: qtype)
+    reader = gguf.GGUFReader(path)
+    want = {}
+    for t in reader.tensors:
+        name, shape = spark_gguf.hf_name(t.name), tuple(reversed(t.shape.tolist()))
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+        if ".q_proj." in name or ".k_proj." in name:
+            w = spark_gguf._unpermute(w, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+        want[name] = torch.from_numpy(w.copy()).to(dtype)
+    monkeypatch.setattr(spark_gguf, "_BLOCK_BYTES", 3 * 4 * config.hidden_size)
+    got = dict(spark_gguf.iter_gguf_tensors(path, config, dtype))
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert got[name].dtype == dtype and torch.equal(got[name], w), name

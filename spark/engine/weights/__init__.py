@@ -150,7 +150,7 @@ def iter_weights(
 
     Args:
       source: from ``resolve_model``.
-      dtype: dtype of the yielded tensors (GGUF weights are dequantized to fp32 first).
+      dtype: dtype of the yielded tensors (GGUF weights are dequantized straight into it on the CPU).
       device: where the yielded tensors live.
       progress: report progress (a bar on a TTY, else a log line every ~10%).
       select: the part of each tensor to yield, by name (a tensor-parallel rank's slice); None: all.
@@ -162,7 +162,9 @@ def iter_weights(
     expected = expected_weight_shapes(source.config)
     if source.kind == "gguf":
         check_weight_shapes(source.path, gguf.gguf_tensor_shapes(source.path), expected)
-        tensors = gguf.iter_gguf_tensors(source.path, source.config)
+        # Dequantized straight into ``dtype`` on the host; for a GPU in float32, cast there.
+        tensors = gguf.iter_gguf_tensors(source.path, source.config,
+                                         dtype if torch.device(device).type == "cpu" else torch.float32)
     elif source.kind == "hf":
         check_weight_shapes(source.path, hf.hf_tensor_shapes(source.path, source.config), expected)
         tensors = hf.iter_hf_tensors(source.path, source.config, select)

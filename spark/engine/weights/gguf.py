@@ -297,8 +297,22 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(path: str | os.PathLike, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 CPU tensor in HF layout), one tensor at a time, in file order."""
+# Rows dequantized at once: gguf.quants works on a whole array and keeps every group's float32
+# output alive until it concatenates them, so a tensor is fed to it in blocks of about this many
+# bytes of output (1 MB), each written straight into the tensor being yielded.
+_BLOCK_BYTES = 1 << 20
+
+
+def iter_gguf_tensors(
+    path: str | os.PathLike, config: ModelConfig, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, CPU tensor in ``dtype`` and HF layout), one tensor at a time, in file order.
+
+    A tensor is dequantized in row blocks into its own preallocated output, so loading costs
+    about one tensor in ``dtype`` on top of the map, not several float32 copies of it. Rows are
+    independent in every GGML type (a row is a whole number of blocks), so the values are the
+    same as dequantizing it whole and then casting to ``dtype``.
+    """
     reader = open_gguf(path)
     permuted = reader.get_field("general.architecture").contents() == "llama"
     moe_names = _arch_of(path, reader).moe_names
@@ -307,19 +321,52 @@ def iter_gguf_tensors(path: str | os.PathLike, config: ModelConfig) -> Iterator[
             continue
         name = hf_name(t.name, moe_names)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        # [rows, row bytes or elements]: the reader's array has every dimension but the last as rows.
+        # A plain-ndarray view of the map: numpy's memmap subclass costs ~1 s per 100M params in slicing.
+        raw = t.data.view(np.ndarray).reshape(-1, t.data.shape[-1])
+        order = None  # llama.cpp's q/k row order, undone as the rows are written
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            order = _unpermuted_rows(shape[0], config.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            order = _unpermuted_rows(shape[0], config.num_kv_heads)
         try:
-            # A plain-ndarray view of the map: numpy's memmap subclass costs ~1 s per 100M params in slicing.
-            w = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type).reshape(shape)
+            if "{e}" in name:  # stacked experts [E, rows, cols], one at a time
+                rows = raw.shape[0] // shape[0]
+                for e in range(shape[0]):
+                    yield name.format(e=e), _dequantized(raw[e * rows:(e + 1) * rows], t.tensor_type, shape[1:], dtype)
+                continue
+            w = _dequantized(raw, t.tensor_type, shape, dtype, order)
         except Exception as e:
             raise ModelLoadError(path, f"cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, config.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, config.num_kv_heads)
-        if "{e}" in name:  # stacked experts, one at a time
-            for e in range(w.shape[0]):
-                yield name.format(e=e), torch.from_numpy(np.array(w[e], dtype=np.float32))
-            continue
-        if not w.flags.writeable:  # F32 dequantizes to a view of the read-only map
-            w = w.copy()
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        yield name, w
+
+
+def _unpermuted_rows(rows: int, n_head: int) -> np.ndarray:
+    """Where each of llama.cpp's q/k rows goes in HF's order (the inverse of ``_unpermute``'s row map)."""
+    return np.argsort(_unpermute(np.arange(rows), n_head))
+
+
+def _dequantized(raw: np.ndarray, qtype, shape: tuple[int, ...], dtype: torch.dtype,
+                 order: np.ndarray | None = None) -> torch.Tensor:
+    """``raw`` [rows, row bytes] of GGML type ``qtype`` as a ``dtype`` tensor of ``shape``, in blocks of rows.
+
+    ``order``: row ``order[i]`` of the result is row ``i`` of ``raw`` (None: the same order)."""
+    out = torch.empty(shape, dtype=dtype)
+    if out.dim() == 1:  # a norm or a bias: one row, small
+        flat = _f32_rows(raw, qtype).view(-1)
+        return out.copy_(flat) if order is None else out.index_copy_(0, torch.from_numpy(order), flat.to(dtype))
+    rows = out.view(raw.shape[0], -1)  # [rows, cols]
+    step = max(1, _BLOCK_BYTES // (4 * rows.shape[1]))
+    for start in range(0, raw.shape[0], step):
+        block = _f32_rows(raw[start:start + step], qtype).view(-1, rows.shape[1])
+        if order is None:
+            rows[start:start + block.shape[0]].copy_(block)  # a cast where dtype is not float32
+        else:
+            rows.index_copy_(0, torch.from_numpy(order[start:start + block.shape[0]]), block.to(dtype))
+    return out
+
+
+def _f32_rows(raw: np.ndarray, qtype) -> torch.Tensor:
+    """Rows of the map, dequantized to a float32 tensor (F32's come back as a view of the read-only map)."""
+    rows = np.asarray(gguf.quants.dequantize(raw, qtype), np.float32)
+    return torch.from_numpy(rows if rows.flags.writeable else rows.copy())
