@@ -14,7 +14,6 @@ No trio here; the GPU-runner actor drives it from a thread or a process of its o
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
@@ -27,9 +26,7 @@ import torch
 from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, kv_storage_dtype, num_pages_for_budget
-from spark.engine.models import model_class
 from spark.engine.models.runtime import Model, Runtime, build_model
-from spark.engine.parallel import SINGLE, TensorParallel
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan, TokenOutput
@@ -80,7 +77,6 @@ class Engine:
     ):
         self.model = model
         self.config: ModelConfig = model.config
-        self.tp = model.tp  # this rank's place in a tensor-parallel group (rank 0 of 1 alone)
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -97,12 +93,10 @@ class Engine:
             num_pages = 1 - (-kv_cache_tokens // page_size)  # and the allocator's scratch page
         else:
             budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_kv_budget()
-            num_pages = num_pages_for_budget(self.config.shard(self.tp.world_size), budget, page_size, kv_storage)
+            num_pages = num_pages_for_budget(self.config, budget, page_size, kv_storage)
             if num_pages < 2:
                 raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 pages")
-        # Rank 0 plans pages for every rank: each holds the same pages, of its own KV heads.
-        num_pages = self.tp.agree_min(num_pages)
-        self.kv_cache = KVCache(self.config.shard(self.tp.world_size), num_pages, page_size, kv_storage, self.device)
+        self.kv_cache = KVCache(self.config, num_pages, page_size, kv_storage, self.device)
         self.page_size = page_size
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(
@@ -112,8 +106,7 @@ class Engine:
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
         self.threads: IdleCoreThreads | None = None  # torch's CPU threads, when they follow the idle cores
         self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
-        # Every rank draws a request's seed alike (ranks sample the same tokens: spark/engine/parallel.py).
-        self._seed_rng = random.Random(self.tp.seed)
+        self._seed_rng = random.Random()
         self._inflight: deque[_Launched] = deque()  # launched, not yet collected, oldest first
         self._late: _Launched | None = None  # the newest launched step, while it waits for masks
         self._ended: OrderedDict[Hashable, None] = OrderedDict()  # recently ended ids: plans may still name them
@@ -133,7 +126,6 @@ class Engine:
         adapt_cpu_threads: bool = False,
         dummy_config=None,
         progress: bool = True,
-        tp: TensorParallel = SINGLE,
         kv_dtype: str = "auto",
     ) -> "Engine":
         """Load ``model`` ("default", a .gguf path, an HF directory or "dummy[:preset]") and build an engine.
@@ -148,8 +140,6 @@ class Engine:
               given, dense elsewhere (see ``Runtime.for_device`` and ``models/quantized.py``).
             adapt_cpu_threads: on the CPU, let torch's threads follow the cores other processes leave
               idle, set before each step (``device.IdleCoreThreads``); else they stay as they are.
-            tp: this rank's tensor-parallel group (``parallel.join``): the engine then holds this rank's
-              slice of the model, on ``tp.device``; ``spark.engine.ranks`` starts and drives the ranks.
             kv_dtype: the KV cache's: "auto" (``dtype``) or "fp8" (e4m3 with per-head scales: twice the
               tokens in the same bytes).
 
@@ -160,17 +150,12 @@ class Engine:
         from spark.engine.weights import iter_weights, resolve_model
 
         source = resolve_model(model, dummy_config=dummy_config)
-        source.config.shard(tp.world_size)  # a model the ranks cannot split fails before it loads
-        if tp.device is not None:
-            device = tp.device
         device = checked_device(device) if device is not None else default_device()
-        runtime = attrs.evolve(Runtime.for_device(device, dtype, weight_format), tp=tp)
+        runtime = Runtime.for_device(device, dtype, weight_format)
         t0 = time.perf_counter()
-        select = None
-        if tp.world_size > 1:
-            select = functools.partial(model_class(source.config.arch).weight_slice, source.config, tp)
-        weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress,
-                               select=select)
+        if runtime.device.type == "cpu":
+            _map_large_blocks()
+        weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress)
         net = build_model(source.config, runtime, weights)
         tokenizer = Tokenizer.for_source(source)
         if source.kind == "gguf":
@@ -596,6 +581,22 @@ def _groups(step: _Launched):
         draft = step.drafts.get(row, ())
         yield row, step.seq_ids[row], draft
         row += 1 + len(draft)
+
+
+def _map_large_blocks() -> None:
+    """Serve every block of 1 MB or more from its own mapping, returned to the system when freed.
+
+    glibc raises its mapping threshold each time such a block is freed (up to 32 MB), after
+    which a load's float32 temporaries and the packing's intermediates come from the heap
+    and stay resident once freed: ~130 MB more at the peak of loading SmolLM2, ~20 MB more
+    while serving. A fixed threshold stops that; the steps' blocks of that size are few."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def _give_back_freed_heap() -> None:

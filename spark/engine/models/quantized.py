@@ -65,10 +65,17 @@ class Int4Linear(nn.Module):
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], float32 scale [N]): symmetric per-row quantization, ``w ~ q * scale``."""
-    w = weight.float()
-    scale = w.abs().amax(1).clamp_min(1e-12) / 127
-    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    """(int8 [N, K], float32 scale [N]): symmetric per-row quantization, ``w ~ q * scale``.
+
+    In blocks of rows (each row is its own), so that a 49k-row embedding costs its int8 rows and
+    not three float32 temporaries of its size."""
+    q, scale = torch.empty(weight.shape, dtype=torch.int8), torch.empty(weight.shape[0])
+    step = max(1, (1 << 20) // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], step):
+        w = weight[start:start + step].float()
+        s = scale[start:start + step] = w.abs().amax(1).clamp_min(1e-12) / 127
+        q[start:start + step] = torch.round(w / s[:, None]).clamp_(-127, 127)
+    return q, scale
 
 
 class Int8Linear(nn.Module):
@@ -140,16 +147,8 @@ def pack_model(net: nn.Module, fmt: str, dtype: torch.dtype) -> nn.Module:
     missing = missing_ops(fmt)
     if missing:
         raise ValueError(f"weight format {fmt!r} needs {', '.join(missing)}, which this torch ({torch.__version__}) lacks")
-    for block in net.layers:
-        for owner, name in ((block.attention, "wqkv"), (block.attention, "wo"),
-                            (block.feed_forward, "w13"), (block.feed_forward, "w2")):
-            linear = getattr(owner, name)
-            # Kept dense: Qwen2's q/k/v with a bias (the kernels take none), and the stacked experts
-            # of an MoE layer (a Parameter [E, N, K], not a Linear), in the runtime's dtype.
-            if not isinstance(linear, nn.Linear) or linear.bias is not None:
-                continue
-            setattr(owner, name, _linear(linear.weight, fmt, dtype))
-            del linear
+    for owner, name in _dense_linears(net):  # those ``packed_as_loaded`` left, if any
+        _pack(owner, name, fmt, dtype)
     rows, scale = int8_rows(net.tok_embeddings.weight)
     net.tok_embeddings = Int8Embedding(rows, scale, dtype)
     # The head: the embedding's own rows when tied, else its own.
@@ -159,3 +158,44 @@ def pack_model(net: nn.Module, fmt: str, dtype: torch.dtype) -> nn.Module:
     for param in net.parameters():  # norms, biases; not the buffers (the rope's frequencies stay float32)
         param.data = param.data.to(dtype)
     return net
+
+
+def packed_as_loaded(net: nn.Module, weights, fmt: str, dtype: torch.dtype):
+    """``weights`` for ``net.load_weights``, packing each linear as soon as its last tensor is in.
+
+    Then only the linears being loaded are dense at a time, not the whole model in float32
+    (SmolLM2-135M: 538 MB); ``pack_model`` packs the rest. A generator resumes after its
+    consumer has copied the tensor it yielded, so a count of the tensors still due per
+    parameter says when one is whole.
+    """
+    params = dict(net.named_parameters())
+    linears = {id(getattr(owner, name).weight): (owner, name) for owner, name in _dense_linears(net)}
+    due: dict[str, int] = {}
+    for hf in net.weight_shapes(net.config):
+        target = net.weight_target(hf)[0]
+        due[target] = due.get(target, 0) + 1
+    for hf, tensor in weights:
+        yield hf, tensor
+        del tensor
+        target = net.weight_target(hf)[0]
+        due[target] -= 1
+        if due[target] == 0 and id(params[target]) in linears:
+            _pack(*linears.pop(id(params[target])), fmt, dtype)
+            params[target].data = torch.empty(0)  # load_weights still holds the parameter: free its data
+
+
+def _dense_linears(net: nn.Module):
+    """(module, attribute) of every linear of ``net`` that ``fmt`` packs.
+
+    Kept dense: Qwen2's q/k/v with a bias (the kernels take none), and the stacked experts
+    of an MoE layer (a Parameter [E, N, K], not a Linear), in the runtime's dtype."""
+    for block in net.layers:
+        for owner, name in ((block.attention, "wqkv"), (block.attention, "wo"),
+                            (block.feed_forward, "w13"), (block.feed_forward, "w2")):
+            linear = getattr(owner, name, None)
+            if isinstance(linear, nn.Linear) and linear.bias is None:
+                yield owner, name
+
+
+def _pack(owner: nn.Module, name: str, fmt: str, dtype: torch.dtype) -> None:
+    setattr(owner, name, _linear(getattr(owner, name).weight, fmt, dtype))

@@ -16,23 +16,21 @@ from spark.engine.attention import AttentionMetadata
 from spark.engine.config import ModelConfig
 from spark.engine.models import model_class, quantized
 from spark.engine.models.ops import CpuOps, Ops, TorchOps, TritonOps
-from spark.engine.parallel import SINGLE, TensorParallel
 
 
 @attrs.frozen
 class Runtime:
     """Where a model runs, in what dtype, with which kernels and weight format; fixed when it is built.
 
-    Under tensor parallelism ``tp`` names the rank and its group: a model built from
-    ``(config, runtime)`` then holds that rank's slice of each weight (``config.shard``) and
-    joins the slices with ``tp``'s collectives (``spark.engine.parallel``).
+    Tensor parallelism will add the rank and its group here: a model built from
+    ``(config, runtime)`` then holds that rank's shard of each weight and the ops
+    gain the collectives. Nothing else in a model's constructor need change.
     """
 
     device: torch.device
     dtype: torch.dtype  # the activations', the norms' and the KV cache's
     ops: Ops
     weight_format: str = "dense"  # a key of quantized.FORMATS: "dense" (in ``dtype``), "int4", "int8"
-    tp: TensorParallel = SINGLE
 
     @classmethod
     def for_device(cls, device: str | torch.device, dtype: torch.dtype | None = None,
@@ -76,8 +74,7 @@ class Runtime:
 class Model(Protocol):
     """What the engine and the CUDA graphs call on a model (an ``nn.Module``)."""
 
-    config: ModelConfig  # the whole model's, whatever slice of it this rank holds
-    tp: TensorParallel
+    config: ModelConfig
 
     def __call__(
         self,
@@ -100,8 +97,9 @@ def build_model(
     """The registered model of ``config.arch`` on ``runtime``, filled from HF-named ``weights``, in eval mode.
 
     Built on the meta device and then allocated in place, so that no weight is ever
-    initialised only to be overwritten. A packed weight format is loaded dense in float32
-    (``weights`` in ``runtime.load_dtype``) and then packed.
+    initialised only to be overwritten (and, on the CPU, never touched until loaded). A packed
+    weight format is loaded dense in float32 (``weights`` in ``runtime.load_dtype``), each linear
+    packed as soon as it is whole.
     """
     cls = model_class(config.arch)
     with torch.device("meta"):
@@ -110,6 +108,8 @@ def build_model(
     # imports sympy (30 MB resident, for nothing the engine uses).
     net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=runtime.device)).to(runtime.load_dtype)
     net.init_buffers()  # after .to(dtype): non-persistent buffers (rope frequencies) stay fp32
+    if runtime.weight_format != "dense":  # each linear packed once loaded: no whole float32 model
+        weights = quantized.packed_as_loaded(net, weights, runtime.weight_format, runtime.dtype)
     net.load_weights(weights)
     if runtime.weight_format != "dense":
         net = quantized.pack_model(net, runtime.weight_format, runtime.dtype)
