@@ -14,6 +14,7 @@ No trio here; the GPU-runner actor drives it from a thread or a process of its o
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -26,7 +27,9 @@ import torch
 from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.config import ModelConfig
 from spark.engine.kv_cache import KVCache, kv_storage_dtype, num_pages_for_budget
+from spark.engine.models import model_class
 from spark.engine.models.runtime import Model, Runtime, build_model
+from spark.engine.parallel import SINGLE, TensorParallel
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan, TokenOutput
@@ -77,6 +80,7 @@ class Engine:
     ):
         self.model = model
         self.config: ModelConfig = model.config
+        self.tp = model.tp  # this rank's place in a tensor-parallel group (rank 0 of 1 alone)
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -93,10 +97,12 @@ class Engine:
             num_pages = 1 - (-kv_cache_tokens // page_size)  # and the allocator's scratch page
         else:
             budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_kv_budget()
-            num_pages = num_pages_for_budget(self.config, budget, page_size, kv_storage)
+            num_pages = num_pages_for_budget(self.config.shard(self.tp.world_size), budget, page_size, kv_storage)
             if num_pages < 2:
                 raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 pages")
-        self.kv_cache = KVCache(self.config, num_pages, page_size, kv_storage, self.device)
+        # Rank 0 plans pages for every rank: each holds the same pages, of its own KV heads.
+        num_pages = self.tp.agree_min(num_pages)
+        self.kv_cache = KVCache(self.config.shard(self.tp.world_size), num_pages, page_size, kv_storage, self.device)
         self.page_size = page_size
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(
@@ -106,7 +112,8 @@ class Engine:
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
         self.threads: IdleCoreThreads | None = None  # torch's CPU threads, when they follow the idle cores
         self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
-        self._seed_rng = random.Random()
+        # Every rank draws a request's seed alike (ranks sample the same tokens: spark/engine/parallel.py).
+        self._seed_rng = random.Random(self.tp.seed)
         self._inflight: deque[_Launched] = deque()  # launched, not yet collected, oldest first
         self._late: _Launched | None = None  # the newest launched step, while it waits for masks
         self._ended: OrderedDict[Hashable, None] = OrderedDict()  # recently ended ids: plans may still name them
@@ -126,6 +133,7 @@ class Engine:
         adapt_cpu_threads: bool = False,
         dummy_config=None,
         progress: bool = True,
+        tp: TensorParallel = SINGLE,
         kv_dtype: str = "auto",
     ) -> "Engine":
         """Load ``model`` ("default", a .gguf path, an HF directory or "dummy[:preset]") and build an engine.
@@ -140,6 +148,8 @@ class Engine:
               given, dense elsewhere (see ``Runtime.for_device`` and ``models/quantized.py``).
             adapt_cpu_threads: on the CPU, let torch's threads follow the cores other processes leave
               idle, set before each step (``device.IdleCoreThreads``); else they stay as they are.
+            tp: this rank's tensor-parallel group (``parallel.join``): the engine then holds this rank's
+              slice of the model, on ``tp.device``; ``spark.engine.ranks`` starts and drives the ranks.
             kv_dtype: the KV cache's: "auto" (``dtype``) or "fp8" (e4m3 with per-head scales: twice the
               tokens in the same bytes).
 
@@ -150,12 +160,19 @@ class Engine:
         from spark.engine.weights import iter_weights, resolve_model
 
         source = resolve_model(model, dummy_config=dummy_config)
+        source.config.shard(tp.world_size)  # a model the ranks cannot split fails before it loads
+        if tp.device is not None:
+            device = tp.device
         device = checked_device(device) if device is not None else default_device()
-        runtime = Runtime.for_device(device, dtype, weight_format)
+        runtime = attrs.evolve(Runtime.for_device(device, dtype, weight_format), tp=tp)
         t0 = time.perf_counter()
         if runtime.device.type == "cpu":
             _map_large_blocks()
-        weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress)
+        select = None
+        if tp.world_size > 1:
+            select = functools.partial(model_class(source.config.arch).weight_slice, source.config, tp)
+        weights = iter_weights(source, dtype=runtime.load_dtype, device=runtime.device, progress=progress,
+                               select=select)
         net = build_model(source.config, runtime, weights)
         tokenizer = Tokenizer.for_source(source)
         if source.kind == "gguf":

@@ -16,21 +16,23 @@ from spark.engine.attention import AttentionMetadata
 from spark.engine.config import ModelConfig
 from spark.engine.models import model_class, quantized
 from spark.engine.models.ops import CpuOps, Ops, TorchOps, TritonOps
+from spark.engine.parallel import SINGLE, TensorParallel
 
 
 @attrs.frozen
 class Runtime:
     """Where a model runs, in what dtype, with which kernels and weight format; fixed when it is built.
 
-    Tensor parallelism will add the rank and its group here: a model built from
-    ``(config, runtime)`` then holds that rank's shard of each weight and the ops
-    gain the collectives. Nothing else in a model's constructor need change.
+    Under tensor parallelism ``tp`` names the rank and its group: a model built from
+    ``(config, runtime)`` then holds that rank's slice of each weight (``config.shard``) and
+    joins the slices with ``tp``'s collectives (``spark.engine.parallel``).
     """
 
     device: torch.device
     dtype: torch.dtype  # the activations', the norms' and the KV cache's
     ops: Ops
     weight_format: str = "dense"  # a key of quantized.FORMATS: "dense" (in ``dtype``), "int4", "int8"
+    tp: TensorParallel = SINGLE
 
     @classmethod
     def for_device(cls, device: str | torch.device, dtype: torch.dtype | None = None,
@@ -74,7 +76,8 @@ class Runtime:
 class Model(Protocol):
     """What the engine and the CUDA graphs call on a model (an ``nn.Module``)."""
 
-    config: ModelConfig
+    config: ModelConfig  # the whole model's, whatever slice of it this rank holds
+    tp: TensorParallel
 
     def __call__(
         self,
