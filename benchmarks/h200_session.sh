@@ -37,6 +37,7 @@ for name in "$@"; do
         poisson-bound) step "$name" 300 python poisson_serving.py --policies slai --model dummy:llama-3.1-8b \
             --requests 1000 --rate 32 --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 \
             --new 128 --spark-args="--ttft-bound 2" --out "$OUT/poisson-bound.json" ;;
+        kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
         *) echo "unknown step $name" ;;
     esac

@@ -32,6 +32,9 @@ Each row (one per policy) in the JSON under benchmarks/results/:
     the last stream's end (under an unsaturated load it follows the arrival rate, not the server).
   ttft_p50_ms / ttft_p99_ms / ttft_max_ms: request sent -> first content chunk, admitted requests.
   ttft_from_arrival_p99_ms: the same from the scheduled arrival (adds any wait for a client slot).
+  ttft_predictions, ttft_prediction_error_median, ttft_predictions_within_25pct: the admission's TTFT
+    predictions in the timed run against the measured TTFT (the server's spark_ttft_prediction_error_ratio
+    histogram; the median interpolated within its bucket; absent when nothing was predicted).
   itl_p50_ms / itl_p99_ms: gaps between consecutive content chunks of a stream (all streams pooled);
     tokens_per_chunk says whether a chunk carried more than one token.
   completed, errors (failed, not counting refusals), refused, refused_by_status ({"429": n, ...}),
@@ -233,6 +236,35 @@ def decode_step_ms(snapshots: list[tuple[float, dict]], rows: float | None) -> f
     return round(estimate, 2) if estimate > 0 else None
 
 
+def error_buckets(url: str) -> dict[float, float]:
+    """The cumulative buckets (upper bound -> count) of the server's |predicted - measured| / measured TTFT."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "spark_ttft_prediction_error_ratio_bucket"}
+
+
+def prediction_error(before: dict[float, float], after: dict[float, float]) -> dict:
+    """The timed run's TTFT prediction error from the histogram's growth: its median (linear within the
+    bucket it falls in) and the share at most 0.25; empty when the server predicted nothing."""
+    grown = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = grown[-1][1] if grown else 0.0
+    if not total:
+        return {}
+    median, lower, below = None, 0.0, 0.0
+    for le, count in grown:
+        if count >= total / 2:
+            width = count - below
+            median = le if le == float("inf") else lower + (le - lower) * (total / 2 - below) / (width or 1.0)
+            break
+        lower, below = le, count
+    within = next(count for le, count in grown if le >= 0.25) / total
+    return {"ttft_predictions": int(total), "ttft_prediction_error_median": None if median in (None, float("inf"))
+            else round(median, 3), "ttft_predictions_within_25pct": round(within, 3)}
+
+
 def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str]) -> dict:
     """Start a server with ``policy``, warm it, run the schedule, stop it; the row of the JSON."""
     cmd = [sys.executable, "-m", "spark.cli", "serve", "--model", args.model, "--port", str(args.port),
@@ -250,6 +282,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
             warm = warmup_prompts(args)
             spread_load(url, warm, len(warm), 4, min(args.load_procs, len(warm)))
         kernels = triton_kernels()
+        errors_before = error_buckets(url)
 
         def sample() -> None:
             while True:
@@ -263,6 +296,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         stop.set()
         sampler.join()
         snapshots.append((time.time(), step_totals(url)))
+        predicted = prediction_error(errors_before, error_buckets(url))
         compiled = len(triton_kernels() - kernels)
     finally:
         stop.set()
@@ -297,7 +331,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         "prompt_min": min(lengths), "prompt_p50": percentile(lengths, 0.5),
         "prompt_mean": round(sum(lengths) / len(lengths), 1), "prompt_max": max(lengths),
         "output_tok_s": round(pooled["output_tokens"] / wall, 1), **latency,
-        "ttft_max_ms": round(1000 * max(pooled["ttft"] or [0.0]), 1),
+        "ttft_max_ms": round(1000 * max(pooled["ttft"] or [0.0]), 1), **predicted,
         "ttft_from_arrival_p99_ms": round(1000 * percentile(
             [r["sent"] - r["due"] + r["ttft"] for r in ok if r["ttft"] is not None] or [0.0], 0.99), 1),
         "completed": len(ok), "refused": len(refused), "refused_by_status": by_status,

@@ -109,7 +109,10 @@ def build_model(
         net = cls(config, runtime)
     # Module.to_empty, but with torch.empty: empty_like of a meta tensor runs a Python ref that
     # imports sympy (30 MB resident, for nothing the engine uses).
-    net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=runtime.device)).to(runtime.load_dtype)
+    # Floating tensors are made in the load dtype at once: made in float32 and then cast, a 30B model
+    # would need 1.5x its bf16 bytes (OOM on one GPU).
+    net = net._apply(lambda t: torch.empty(t.shape, dtype=runtime.load_dtype if t.is_floating_point() else t.dtype,
+                                           device=runtime.device))
     net.init_buffers()  # after .to(dtype): non-persistent buffers (rope frequencies) stay fp32
     if runtime.weight_format != "dense":  # each linear packed once loaded: no whole float32 model
         weights = quantized.packed_as_loaded(net, weights, runtime.weight_format, runtime.dtype)
