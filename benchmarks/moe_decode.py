@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -134,8 +135,13 @@ def hf_config(config):
 def hf_decode(config, device, dtype, batch: int, prompt: int, new: int) -> float:
     """transformers ``generate`` tokens/s (its prefill included, dynamic cache), after a short warm-up."""
     cls, cfg = hf_config(config)
-    with torch.device(device):
-        model = cls(cfg).to(dtype).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype at once: in float32 a 30B model needs twice its bf16 bytes
+    try:
+        with torch.device(device):
+            model = cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
     ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     mask = torch.ones_like(ids)
     kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -227,9 +233,11 @@ def main() -> int:
         _write(args, doc)
         log(f"batch {batch}: spark {tok_s:.1f} tok/s (runs {row['tok_s_runs']}), step {row['step_ms']} ms, "
             f"roofline {roof['roofline_tok_s']:.1f} tok/s ({roof['bound']}), {row['roofline_frac']} of it")
-    del engine
+    del engine, counter  # the counter's hooks hold the model too
+    gc.collect()  # the engine's reference cycles hold its weights and KV cache until collected
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        log(f"GPU memory after freeing Spark's engine: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     if not args.no_hf:
         for row in rows:
             new = args.hf_new_b1 if row["batch"] == 1 else args.new
