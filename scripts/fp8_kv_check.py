@@ -23,9 +23,8 @@ import time
 
 import torch
 
-from spark.engine.attention import AttentionMetadata
 from spark.engine.engine import Engine
-from spark.engine.offline import generate
+from spark.engine.offline import generate, prefill_logits
 from spark.engine.sampling import SamplingParams
 
 TOPICS = [
@@ -56,31 +55,8 @@ def prompts_for(engine: Engine, n: int) -> list[list[int]]:
 
 
 def forced_logits(engine: Engine, sequences: list[list[int]], last: int) -> torch.Tensor:
-    """Logits [B, last, V] (fp32) at the last ``last`` positions of each sequence, from one prefill of
-    all of them through ``engine.model`` on pages of a private allocator (call with no live sequence)."""
-    allocator, page_size = engine.new_page_allocator(), engine.page_size
-    ids, positions, slots, qsl, tables = [], [], [], [0], []
-    for b, seq in enumerate(sequences):
-        table = allocator.allocate(b, len(seq))
-        tables.append(table)
-        ids += seq
-        positions += range(len(seq))
-        slots += [table[p // page_size] * page_size + p % page_size for p in range(len(seq))]
-        qsl.append(qsl[-1] + len(seq))
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=engine.device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=engine.device),
-        seq_lens=torch.tensor([len(s) for s in sequences], dtype=torch.int32, device=engine.device),
-        block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                  device=engine.device),
-        decode_only=False, max_query_len=max(map(len, sequences)),
-    )
-    rows = torch.tensor([end - last + i for end in qsl[1:] for i in range(last)], device=engine.device)
-    with torch.inference_mode():
-        hidden = engine.model(torch.tensor(ids, device=engine.device), torch.tensor(positions, device=engine.device),
-                              engine.kv_cache.layers, meta)  # [T, D]
-        return engine.model.compute_logits(hidden[rows]).float().view(len(sequences), last, -1).cpu()
+    """Logits [B, last, V] (fp32, CPU) at the last ``last`` positions of each sequence (call with no live sequence)."""
+    return prefill_logits(engine, sequences, last).float().cpu()
 
 
 def run(args, kv_dtype: str, prompts: list[list[int]] | None, reference: list[list[int]] | None):

@@ -280,18 +280,9 @@ class Slot:
             Refusal: 404 unknown name; 503 + Retry-After while a switch runs or after one started;
               400 when switching on demand is off; 503 when nothing is active.
         """
-        if name is None or name in RESERVED_NAMES:
-            if self.state == "active":
-                return self.active
-            raise self._not_ready()
-        if self.state == "active" and name in self.active.names:
-            return self.active
-        recipe = self.catalog.by_name(name)
-        if recipe is None and self.target is not None and name in self.target.names:
-            recipe = self.target  # a draft brought up by id answers to its names
-        if recipe is None:
-            raise Refusal(404, "model_not_found",
-                          f"model {name!r} does not exist; known: {', '.join(self.known_names()) or 'none'}")
+        recipe = self.lookup(name)
+        if recipe is self.active and self.state == "active":
+            return recipe
         if recipe.engine == "upstream":
             return recipe  # proxied at once: the slot is not involved
         if self.switching:
@@ -321,6 +312,8 @@ class Slot:
         if self.state == "active" and name in self.active.names:
             return self.active
         recipe = self.catalog.by_name(name)
+        if recipe is None and self.target is not None and name in self.target.names:
+            recipe = self.target  # a draft brought up by id answers to its names
         if recipe is None:
             raise Refusal(404, "model_not_found",
                           f"model {name!r} does not exist; known: {', '.join(self.known_names()) or 'none'}")

@@ -28,30 +28,8 @@ def golden() -> dict:
 
 
 def prefill_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
-    """Logits [B, V] at the last position of each prompt, from one batched prefill through ``engine.model``.
+    """Logits [B, V] at the last position of each prompt, from one batched prefill (``offline.prefill_logits``:
+    call it with no live sequence)."""
+    from spark.engine.offline import prefill_logits as logits_at
 
-    Builds the ``AttentionMetadata`` the way ``Engine.step`` does, on pages of a private
-    allocator, so it overwrites whatever those pages held: call it with no live sequence.
-    """
-    from spark.engine.attention import AttentionMetadata
-
-    allocator, page_size = engine.new_page_allocator(), engine.page_size
-    ids, positions, slots, qsl, tables = [], [], [], [0], []
-    for b, prompt in enumerate(prompts):
-        table = allocator.allocate(b, len(prompt))
-        tables.append(table)
-        ids += prompt
-        positions += range(len(prompt))
-        slots += [table[p // page_size] * page_size + p % page_size for p in range(len(prompt))]
-        qsl.append(qsl[-1] + len(prompt))
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
-        block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        decode_only=False,
-    )
-    with torch.inference_mode():
-        hidden = engine.model(torch.tensor(ids), torch.tensor(positions), engine.kv_cache.layers, meta)  # [T, D]
-        return engine.model.compute_logits(hidden[torch.tensor(qsl[1:]) - 1])  # [B, V]
+    return logits_at(engine, prompts)[:, -1]
