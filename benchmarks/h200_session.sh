@@ -37,6 +37,9 @@ for name in "$@"; do
         poisson-tbt) step "$name" 420 python poisson_serving.py --model dummy:llama-3.1-8b --requests 1000 --rate 32 \
             --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 \
             --spark-args="--tbt-deadline-ms 40" --out "$OUT/poisson-tbt.json" ;;
+        poisson-tbt-short) step "$name" 200 python poisson_serving.py --model dummy:llama-3.1-8b --requests 500 \
+            --rate 32 --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 --warmup 16 \
+            --spark-args="--tbt-deadline-ms 40" --out "$OUT/poisson-tbt.json" ;;
         poisson-bound) step "$name" 300 python poisson_serving.py --policies slai --model dummy:llama-3.1-8b \
             --requests 1000 --rate 32 --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 \
             --new 128 --spark-args="--ttft-bound 2" --out "$OUT/poisson-bound.json" ;;
