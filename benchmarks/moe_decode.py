@@ -31,7 +31,7 @@ import sys
 import time
 
 import torch
-from offline_decode import copy_bandwidth, decode_once, git_commit, sync  # a sibling: benchmarks/ is the script's directory
+from offline_decode import copy_bandwidth, decode_once, git_commit, sync, write_results  # a sibling: benchmarks/ is the script's directory
 
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md)
 MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
@@ -262,11 +262,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def _write(args, doc: dict) -> str:
-    gpu = doc["device"].split()[-1].lower() if doc["device"] != "cpu" else "cpu"
-    out = args.out or f"benchmarks/results/{doc['date']}-moe-decode-{args.preset}-{gpu}.json"
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
-    return out
+    return write_results(doc, f"moe-decode-{args.preset}", args.out)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,15 @@ def _write(args, results: list) -> None:
         json.dump(doc, f, indent=1)
 
 
+def write_results(doc: dict, name: str, out: str | None = None) -> str:
+    """Write ``doc`` to ``out``, or to benchmarks/results/<date>-<name>-<gpu or cpu>.json; returns the path."""
+    gpu = doc["device"].split()[-1].lower() if doc["device"] != "cpu" else "cpu"
+    out = out or f"benchmarks/results/{doc['date']}-{name}-{gpu}.json"
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return out
+
+
 def git_commit() -> str:
     """HEAD's hash, for a results file ("unknown" outside a checkout)."""
     try:

@@ -28,7 +28,7 @@ import sys
 import time
 
 import torch
-from offline_decode import copy_bandwidth, decode_once, git_commit  # a sibling: benchmarks/ is the script's directory
+from offline_decode import copy_bandwidth, decode_once, git_commit, write_results  # a sibling: benchmarks/ is the script's directory
 
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md); a GPU run measures its own
 MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
@@ -175,11 +175,7 @@ def main() -> int:
 
 
 def _write(args, doc: dict) -> str:
-    gpu = doc["device"].split()[-1].lower() if doc["device"] != "cpu" else "cpu"
-    out = args.out or f"benchmarks/results/{doc['date']}-tp-decode-{args.preset}-{gpu}.json"
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
-    return out
+    return write_results(doc, f"tp-decode-{args.preset}", args.out)
 
 
 if __name__ == "__main__":
