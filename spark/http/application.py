@@ -261,10 +261,15 @@ async def _stop(state: SparkState) -> None:
     await state.stopped.wait()  # bounded: quart gave the nursery a deadline of SHUTDOWN_GRACE_S
 
 
+# Routes outside /v1 that spend the model's tokenizer: keyed too when keys are set (vLLM leaves them
+# open; here a server with keys answers no model work to a caller without one).
+KEYED_OUTSIDE_V1 = ("/tokenize", "/detokenize")
+
+
 async def _authenticate(state: SparkState) -> None:
     g.api_key = None
     keys = state.config.api_keys if state.config is not None else ()
-    if not keys or not request.path.startswith("/v1/"):
+    if not keys or not (request.path.startswith("/v1/") or request.path in KEYED_OUTSIDE_V1):
         return
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if request.path.startswith(anthropic.PREFIX) and request.headers.get("x-api-key", "").strip():

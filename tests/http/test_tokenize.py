@@ -126,3 +126,12 @@ def test_echo_with_logprobs_lists_the_prompts_tokens_first(server):
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_a_server_with_keys_asks_one_for_tokenize_and_detokenize(server):
+    with server.http(auth=False) as http:
+        for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1, 2]})):
+            r = http.post(path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"  # was 200
+    with server.http() as http:
+        assert http.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
