@@ -104,7 +104,8 @@ class CoreLoop:
                 if isinstance(message, Admit):
                     r = message.request
                     self.core.submit(r.request_id, r.prompt_ids, r.params, clock() - message.waited, pins=r.pins,
-                                     grammar=r.grammar, speculate=r.speculative, tbt=r.tbt_s)
+                                     grammar=r.grammar, speculate=r.speculative, tbt=r.tbt_s,
+                                     score_prompt=r.params.prompt_logprobs is not None)
                 elif isinstance(message, Unpin):
                     self.core.unpin(message.key)
                 else:

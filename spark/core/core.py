@@ -56,6 +56,7 @@ class _Submitted:
     grammar: GrammarSpec | None
     speculate: bool
     tbt: float | None
+    score_prompt: bool = False
 
 class Core:
     """A ``Scheduler`` and the ``StepEngine`` it plans for, stepped by whoever drives it.
@@ -100,15 +101,16 @@ class Core:
     # -- requests ---------------------------------------------------------
     def submit(self, request_id: Hashable, prompt_ids: Sequence[int], params, arrival: float | None = None,
                pins: Sequence[PrefixPin] = (), grammar: GrammarSpec | None = None, speculate: bool = True,
-               tbt: float | None = None) -> None:
+               tbt: float | None = None, score_prompt: bool = False) -> None:
         """Queue a request; it is admitted (``Opened``) when the batch has room. ``pins``: prefixes of
         it to keep cached for a while after it ends (prefix caching only); ``grammar``: what its
         output must follow; ``speculate``: False opts it out of speculation (a constrained request
         never speculates: its masks follow one token at a time); ``tbt``: its time-between-tokens
-        target in seconds, for SLAI (None: the server's)."""
+        target in seconds, for SLAI (None: the server's); ``score_prompt``: its params ask for
+        prompt logprobs, so its prompt is computed whole (no cached prefix: each position is scored)."""
         arrival = self.clock() if arrival is None else arrival
         self._pending[request_id] = _Submitted(NewSequence(request_id, tuple(prompt_ids), params), arrival,
-                                               tuple(pins), grammar, speculate, tbt)
+                                               tuple(pins), grammar, speculate, tbt, score_prompt)
 
     def cancel(self, request_id: Hashable) -> None:
         """End a request wherever it is (its pages are free for the next plan); unknown ids are ignored."""
@@ -201,7 +203,7 @@ class Core:
                 self.speculator.start(request_id, new.prompt_ids)
             n = len(new.prompt_ids)
             self.scheduler.add(SeqState(request_id, n, sub.arrival, prompt_len=n, prompt_ids=new.prompt_ids,
-                                        pins=sub.pins, tbt=sub.tbt))
+                                        pins=sub.pins, tbt=sub.tbt, reuse_prefix=not sub.score_prompt))
             events.append(Opened(request_id))
 
     def _start_grammar(self, request_id: Hashable, grammar: GrammarSpec) -> str | None:

@@ -62,6 +62,15 @@ class StepPlan:
 
 
 @attrs.frozen
+class PromptLogprob:
+    """A prompt token scored by the model given the tokens before it (teacher forcing)."""
+
+    token_id: int
+    logprob: float  # under the model's raw distribution, as ``TokenOutput.logprob``
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@attrs.frozen
 class TokenOutput:
     """A token sampled for ``seq_id`` in a step."""
 
@@ -70,6 +79,9 @@ class TokenOutput:
     logprob: float | None = None  # of the chosen token, under the model's raw distribution
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
     finish_reason: str | None = None  # "stop" | "length" once the sequence is done
+    # On a sequence's first token, when its params ask ``prompt_logprobs``: its prompt's tokens after
+    # the first, each scored (the first has nothing before it). None otherwise.
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 @attrs.frozen

@@ -48,6 +48,7 @@ class SeqState:
     epoch: int = 0  # bumped whenever it loses its pages: a step planned before cannot register them
     output_ids: list[int] = attrs.field(factory=list)  # sampled tokens, as collected (prefix caching only)
     pins: tuple["PrefixPin", ...] = ()
+    reuse_prefix: bool = True  # False: computes its whole prompt, cached or not (it scores every position)
 
 
 @attrs.frozen
@@ -130,7 +131,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0:
                 break
-            if self.prefix_caching and seq.num_computed == 0 and not self.allocator.has(seq.request_id):
+            if (self.prefix_caching and seq.reuse_prefix and seq.num_computed == 0
+                    and not self.allocator.has(seq.request_id)):
                 self._map_cached_prefix(seq)
             left = seq.num_tokens - seq.num_computed
             n = min(left, budget)

@@ -32,7 +32,7 @@ from spark.engine.models.runtime import Model, Runtime, build_model
 from spark.engine.parallel import SINGLE, TensorParallel
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
-from spark.core.plan import Chunk, StepPlan, TokenOutput
+from spark.core.plan import Chunk, PromptLogprob, StepPlan, TokenOutput
 from spark.engine.sampler import Prepared, SampleOutput, Sampler, SamplingBatch, unpack_token_masks, verified
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
@@ -62,6 +62,8 @@ class _Launched:
     late: set[Hashable] = attrs.field(factory=set)  # rows whose masks come with sample_late
     masks: dict = attrs.field(factory=dict)  # meanwhile, the masks its other rows came with
     prepared: Prepared | None = None  # meanwhile, the sampler's part that no logits decide
+    scored: list[tuple[Hashable, int, int]] = attrs.field(factory=list)  # prompt_logprobs: (seq, first row, rows)
+    scores: HostCopy | None = None  # their target logprobs, top ids, top logprobs
 
 
 class Engine:
@@ -300,6 +302,8 @@ class Engine:
         drafts: dict[int, tuple[int, ...]] = {}
         feeds: dict[_Launched, tuple[list[int], list[int]]] = {}  # launched step -> (rows of ids, rows of its tokens)
         kept: list[Chunk] = []
+        scored: list[tuple[Hashable, int, int]] = []  # (sequence, first logit row, rows) of prompt positions scored
+        targets: list[int] = []  # the prompt token each scored row predicts
         page_size = self.page_size
         for chunk in plan.chunks:
             s = self._live(chunk.seq_id)
@@ -339,6 +343,15 @@ class Engine:
                 sample_rows.extend(range(len(logit_rows), len(logit_rows) + chunk.num_tokens))
                 logit_rows.extend(range(qsl[-2], qsl[-1]))
                 samplers.extend([chunk.seq_id] * chunk.num_tokens)
+            elif s.params.prompt_logprobs is not None and (span := s.unscored(start, end)):
+                # logits of every row from the first scored one to the chunk's last (which may sample)
+                scored.append((chunk.seq_id, len(logit_rows), len(span)))
+                targets.extend(s.prompt_ids[span.start + 1:span.stop + 1])
+                s.scored_to = span.stop
+                logit_rows.extend(range(qsl[-2] + span.start - start, qsl[-1]))
+                if end == s.num_planned:
+                    sample_rows.append(len(logit_rows) - 1)
+                    samplers.append(chunk.seq_id)
             else:
                 if end == s.num_planned:
                     sample_rows.append(len(logit_rows))
@@ -346,23 +359,24 @@ class Engine:
                 logit_rows.append(qsl[-1] - 1)
             kept.append(chunk)
 
-        step = _Launched(samplers, drafts)
+        step = _Launched(samplers, drafts, scored=scored)
         if kept:
             self._queue(step, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds,
-                        logit_rows if drafts else None)
+                        logit_rows if drafts or scored else None, targets)
         self._inflight.append(step)  # only once queued: a launch that raised leaves nothing to collect
 
     def _queue(self, step: _Launched, kept, ids, positions, slots, qsl, seq_lens, sample_rows, feeds,
-               logit_rows=None) -> None:
+               logit_rows=None, targets=()) -> None:
         """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device
-        (``logit_rows``: the rows whose logits are needed, when not each chunk's last)."""
+        (``logit_rows``: the rows whose logits are needed, when not each chunk's last; ``targets``: the
+        prompt tokens that ``step.scored``'s rows predict)."""
         dev = self.device
         # (tokens, rows, picks): ids[rows] = tokens[picks], on the device, for each launched step read from.
         fed = [(launched.token_ids, dst, src) for launched, (dst, src) in feeds.items()]
         decode_only = len(ids) == len(kept)
         tables = [list(c.block_table) for c in kept]
         replayed = None
-        if decode_only and self.graphs is not None:
+        if decode_only and self.graphs is not None and not step.scored:
             replayed = self.graphs.run(ids, positions, slots, seq_lens, tables, fed)
         if replayed is None:
             logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed, logit_rows)
@@ -370,6 +384,8 @@ class Engine:
             logits, greedy = replayed
         for chunk in kept:
             self._seqs[chunk.seq_id].num_computed += chunk.num_tokens
+        if step.scored:
+            step.scores = self._score_prompts(step, logits, targets)
         if not step.seq_ids:
             return
         for row, seq_id, draft in _groups(step):
@@ -389,6 +405,31 @@ class Engine:
             step.prepared = self.sampler.prepare(self._sampling_batch(step), self.config.vocab_size, self.device)
         else:
             self._sample(step, masks)
+
+    def _score_prompts(self, step: _Launched, logits: torch.Tensor, targets: Seq[int]) -> HostCopy:
+        """Queue the logprobs of the prompt tokens ``step.scored``'s rows predict, and their top
+        alternatives, under the raw distribution (as the sampler's logprobs)."""
+        rows = upload([first + i for _, first, n in step.scored for i in range(n)], torch.int64, self.device)
+        logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)  # [R, V]
+        chosen = logprobs.gather(1, upload(targets, torch.int64, self.device)[:, None]).squeeze(1)
+        k = max(self._seqs[seq_id].params.prompt_logprobs for seq_id, _, _ in step.scored)
+        top = logprobs.topk(k, dim=-1) if k else None
+        return HostCopy((chosen, None if top is None else top.indices, None if top is None else top.values))
+
+    def _keep_scores(self, step: _Launched) -> None:
+        """Read a step's prompt scores back onto their sequences, for their first tokens to carry."""
+        chosen, top_ids, top_lp = step.scores.read()
+        at = 0  # the scores' row of each sequence's first scored position
+        for seq_id, _, n in step.scored:
+            s = self._seqs.get(seq_id)
+            if s is not None and not s.ended:
+                k = s.params.prompt_logprobs
+                first = len(s.prompt_scores) + 1  # the prompt token its first row predicts
+                s.prompt_scores.extend(PromptLogprob(
+                    s.prompt_ids[first + i], chosen[at + i],
+                    tuple(zip(top_ids[at + i][:k], top_lp[at + i][:k])) if k else (),
+                ) for i in range(n))
+            at += n
 
     @torch.inference_mode()
     def sample_late(self, masks) -> None:
@@ -552,6 +593,8 @@ class Engine:
 
     def _complete(self, step: _Launched) -> list[TokenOutput]:
         """Read a launched step's samples back (the one host sync of a step) and advance its sequences."""
+        if step.scores is not None:
+            self._keep_scores(step)
         if step.samples is None:
             return []
         token_ids, chosen_lp, top_ids, top_lp = step.samples.read()
@@ -578,10 +621,13 @@ class Engine:
                     s.ended = True
                     if not s.pending:
                         self._forget(seq_id)
+                prompt = None
+                if s.params.prompt_logprobs is not None and len(s.output_ids) == 1:
+                    prompt, s.prompt_scores = tuple(s.prompt_scores), []
                 outputs.append(TokenOutput(
                     seq_id, token,
                     logprob=chosen_lp[row] if k is not None and chosen_lp is not None else None,
-                    top_logprobs=top, finish_reason=reason,
+                    top_logprobs=top, finish_reason=reason, prompt_logprobs=prompt,
                 ))
                 if reason is not None or token != token_ids[row]:
                     break

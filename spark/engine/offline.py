@@ -56,7 +56,7 @@ def generate(
     base = ("generate", uuid.uuid4().hex)
     ids = [(base, i) for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, params):
-        core.submit(request_id, prompt, p)
+        core.submit(request_id, prompt, p, score_prompt=p.prompt_logprobs is not None)
     try:
         return drive(core, ids, on_token)
     finally:

@@ -114,6 +114,9 @@ class SamplingParams:
       seed: Fixes the random stream of this request; None lets the engine draw one.
       logprobs: None for no logprobs; k for the sampled token's logprob plus the
         k most likely alternatives (0 <= k <= 20).
+      prompt_logprobs: None, or k: each prompt token after the first is scored (its logprob given
+        the tokens before it, and the k most likely alternatives), returned with the first token.
+        Such a sequence computes logits at every prompt position, and reuses no cached prefix.
       max_tokens: Most tokens to generate.
       stop_token_ids: Tokens that end the request (besides EOS).
       ignore_eos: Keep going past EOS.
@@ -133,6 +136,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = _field((), _as_logit_bias)
     seed: int | None = _field(None, _as_optional_int)
     logprobs: int | None = _field(None, _as_optional_int, _in_range(0, MAX_LOGPROBS))
+    prompt_logprobs: int | None = _field(None, _as_optional_int, _in_range(0, MAX_LOGPROBS))
     max_tokens: int = _field(256, _as_int, _in_range(1, math.inf))
     stop_token_ids: tuple[int, ...] = _field((), _as_token_ids)
     ignore_eos: bool = attrs.field(default=False)

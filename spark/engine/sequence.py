@@ -33,6 +33,10 @@ class Sequence:
     pending: deque = attrs.Factory(deque)
     ended: bool = False  # a collected step finished it (while later launched steps still held it)
     verifying: bool = False  # a launched step verifies its draft: how many tokens it gets is not known yet
+    # prompt_logprobs: prompt positions whose next token launched steps score (a recompute after a
+    # preemption scores none twice), and the scores collected, until the first token carries them
+    scored_to: int = 0
+    prompt_scores: list = attrs.Factory(list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +56,11 @@ class Sequence:
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def unscored(self, start: int, end: int) -> range:
+        """Of the positions ``start`` to ``end``, those whose next token is the prompt's and that no launched
+        step scores yet (``prompt_logprobs``)."""
+        return range(max(start, self.scored_to), min(end, len(self.prompt_ids) - 1))
 
     def ends_by_length_before(self, max_model_len: int) -> bool:
         """A launched step will end it by length, so nothing after that step may be computed."""
