@@ -69,13 +69,15 @@ class RequestOutput:
     num_output_tokens: int = 0  # generated so far, this piece included
     error: str | None = None  # why the request failed, when finish_reason == "error"
     num_cached_tokens: int = 0  # of the prompt's tokens, those found in the prefix cache (not computed)
+    # on the first piece, when ``params.prompt_logprobs`` asked: the prompt's tokens after the first, scored
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
     def merge(cls, pieces: Sequence[RequestOutput]) -> RequestOutput:
         """One piece that says what consecutive ``pieces`` of one request say, in order.
 
         Texts, token ids and logprobs are joined; how it ended (finish reason, stop string,
-        error) and the output count come from the last piece.
+        error) and the output count come from the last piece; prompt logprobs from the first.
 
         Args:
             pieces: at least one, oldest first; only the last may have a finish reason.
@@ -91,6 +93,7 @@ class RequestOutput:
             tuple(chain.from_iterable(p.logprobs for p in pieces)), finish_reason=last.finish_reason,
             stop_string=last.stop_string, num_prompt_tokens=max(p.num_prompt_tokens for p in pieces),
             num_output_tokens=last.num_output_tokens, error=last.error, num_cached_tokens=last.num_cached_tokens,
+            prompt_logprobs=pieces[0].prompt_logprobs,
         )
 
 

@@ -152,13 +152,14 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
         text += stream.stop.flush()
     logprobs = ()
     if req.params.logprobs is not None and out.logprob is not None:
-        logprobs = (TokenLogprob(
-            out.token_id, _token_text(tokenizer, out.token_id), out.logprob,
-            tuple((t, _token_text(tokenizer, t), lp) for t, lp in out.top_logprobs),
-        ),)
+        logprobs = (_token_logprob(tokenizer, out.token_id, out.logprob, out.top_logprobs),)
+    prompt = None
+    if out.prompt_logprobs is not None:
+        prompt = tuple(_token_logprob(tokenizer, p.token_id, p.logprob, p.top_logprobs) for p in out.prompt_logprobs)
     piece = RequestOutput(
         req.request_id, text, (out.token_id,), logprobs, finish_reason=finish, stop_string=stop,
         num_prompt_tokens=len(req.prompt_ids), num_output_tokens=stream.num_output, num_cached_tokens=stream.num_cached,
+        prompt_logprobs=prompt,
     )
     if finish is not None:
         metrics.e2e_request_latency.observe(now - sub.arrival)
@@ -178,6 +179,11 @@ def _send(stream: _Stream, piece: RequestOutput, *, close: bool) -> None:
         log.warning("stream %s is full; dropping a piece", piece.request_id)
     if close:
         out.close()
+
+
+def _token_logprob(tokenizer, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenLogprob:
+    return TokenLogprob(token_id, _token_text(tokenizer, token_id), logprob,
+                        tuple((t, _token_text(tokenizer, t), lp) for t, lp in top))
 
 
 def _token_text(tokenizer, token_id: int) -> str:

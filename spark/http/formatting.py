@@ -136,18 +136,25 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) 
     }
 
 
-def echoed_logprobs(prompt_tokens: Sequence[str], logprobs: dict | None = None) -> dict:
+def echoed_logprobs(prompt_tokens: Sequence[str], scored: Sequence[TokenLogprob] | None = None,
+                    logprobs: dict | None = None) -> dict:
     """The legacy ``logprobs`` object of an echoed prompt's tokens, followed by ``logprobs`` (the generated
     tokens', from ``completion_logprobs`` with ``text_offset`` past the prompt) when given.
 
-    The prompt's tokens have null logprobs: the engine does not score a prompt (OpenAI nulls the first only).
+    The first prompt token's logprob is null (nothing comes before it, as OpenAI's); the others' are
+    ``scored`` (the engine's prompt logprobs: the prompt's tokens after the first), null when not given.
     """
     offsets, at = [], 0
     for token in prompt_tokens:
         offsets.append(at)
         at += len(token)
     k = len(prompt_tokens)
-    echoed = {"tokens": list(prompt_tokens), "token_logprobs": [None] * k, "top_logprobs": [None] * k,
+    if scored is None:
+        token_logprobs, top = [None] * k, [None] * k
+    else:
+        token_logprobs = [None] + [lp.logprob for lp in scored]
+        top = [None] + [{t: p for _, t, p in lp.top} for lp in scored]
+    echoed = {"tokens": list(prompt_tokens), "token_logprobs": token_logprobs, "top_logprobs": top,
               "text_offset": offsets}
     return echoed if logprobs is None else {key: echoed[key] + logprobs[key] for key in echoed}
 

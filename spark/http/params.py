@@ -224,7 +224,8 @@ def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[l
 @attrs.frozen
 class Echo:
     """A completion prompt as ``echo`` writes it before the choice's text: the prompt's own text (a token-id
-    prompt decoded), and its tokens' texts for ``logprobs`` (Spark scores no prompt token: their logprobs are null)."""
+    prompt decoded), and its tokens' texts for ``logprobs`` (their logprobs come from the engine, with the
+    first generated token: ``SamplingParams.prompt_logprobs``)."""
 
     text: str
     tokens: tuple[str, ...] = ()
@@ -239,6 +240,19 @@ def echoes(tokenizer, req: CompletionRequest, prompts: Sequence[Sequence[int]]) 
         tokens = tuple(tokenizer.token_text(t) for t in ids) if req.logprobs is not None else ()
         out += [Echo(text, tokens)] * n
     return out
+
+
+def scores_only(req: CompletionRequest) -> bool:
+    """``max_tokens: 0`` with ``echo``: the prompt scored, nothing generated (lm-evaluation-harness's
+    loglikelihood). The engine stops at one token, which the response leaves out (``max_tokens`` 0
+    without echo stays a 400: it would return nothing at all)."""
+    return bool(req.echo) and req.max_tokens == 0
+
+
+def completion_params(req: CompletionRequest, limits: Limits) -> SamplingParams:
+    """A completion's sampling parameters; with ``echo`` and ``logprobs``, its prompt is scored too."""
+    params = base_params(req, limits, max_tokens=1 if scores_only(req) else req.max_tokens, logprobs=logprobs_k(req))
+    return attrs.evolve(params, prompt_logprobs=params.logprobs) if req.echo and params.logprobs is not None else params
 
 
 def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[int]], params: SamplingParams,

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, current_app, g, request
 
-from spark.actors.messages import RequestOutput
+from spark.actors.messages import RequestOutput, TokenLogprob
 from spark.control.served import ServedModel
 from spark.control.slot import Slot
 from spark.http import formatting as fmt
@@ -20,8 +20,8 @@ from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn, StreamFailed
 from spark.http.gateway import generates
-from spark.http.params import (Echo, Job, base_params, build_job, chat_turn, echoes, encode_prompts,
-                               logprobs_k)
+from spark.http.params import (Echo, Job, base_params, build_job, chat_turn, completion_params, echoes,
+                               encode_prompts, logprobs_k, scores_only)
 from spark.http.schemas import ChatRequest, CompletionRequest
 from spark.http.spine import Serving, request_body
 from spark.http.turn import ContentDelta, ReasoningDelta, TurnDone, TurnParser, turn_steps
@@ -109,8 +109,7 @@ def _chat_inputs(req: ChatRequest, limits, max_tokens: int | None) -> tuple:
 async def completions(serving: Serving):
     limits = serving.limits
     req = await request_body(CompletionRequest)
-    params = await spine.off_loop(functools.partial(base_params, max_tokens=req.max_tokens, logprobs=logprobs_k(req)),
-                                  req, limits)
+    params = await spine.off_loop(completion_params, req, limits)
     prompts = await trio.to_thread.run_sync(encode_prompts, serving.model.tokenizer, req, limits.vocab_size)
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = build_job(rid, req, prompts, params, limits, api_key=g.api_key)
@@ -119,22 +118,23 @@ async def completions(serving: Serving):
     head = {"id": rid, "created": int(time.time()), "model": limits.served_name}
     fanin = await spine.submit(serving, job)
     if job.stream:
-        return spine.sse(_completion_events(head, job, fanin, echo))
-    texts, logprobs, reasons, completion_tokens, cached = await _collect(job, fanin)
+        return spine.sse(_completion_events(head, job, fanin, echo, scores_only(req)))
+    texts, logprobs, reasons, completion_tokens, cached, scored = await _collect(job, fanin, scores_only(req))
     choices = [fmt.completion_choice(i, texts[i], reasons[i],
                                      None if logprobs[i] is None else fmt.completion_logprobs(logprobs[i]))
                for i in range(len(texts))]
     if echo is not None:
-        choices = [_echoed(choice, echo[i]) for i, choice in enumerate(choices)]
+        choices = [_echoed(choice, echo[i], scored[i]) for i, choice in enumerate(choices)]
     return {**head, "object": "text_completion", "choices": choices,
             "usage": fmt.usage(job.prompt_tokens, completion_tokens, cached)}
 
 
-def _echoed(choice: dict, echo: Echo) -> dict:
-    """A whole completion choice with its prompt echoed before its text (and its tokens before its logprobs)."""
+def _echoed(choice: dict, echo: Echo, scored: tuple[TokenLogprob, ...] | None) -> dict:
+    """A whole completion choice with its prompt echoed before its text (and its tokens, ``scored``, before
+    its logprobs)."""
     logprobs = choice["logprobs"]
     if logprobs is not None:
-        logprobs = fmt.echoed_logprobs(echo.tokens, {**logprobs, "text_offset": [
+        logprobs = fmt.echoed_logprobs(echo.tokens, scored, {**logprobs, "text_offset": [
             len(echo.text) + at for at in logprobs["text_offset"]]})
     return {**choice, "text": echo.text + choice["text"], "logprobs": logprobs}
 
@@ -153,16 +153,23 @@ async def _text_pieces(fanin: FanIn) -> AsyncIterator[tuple[int, RequestOutput]]
         raise ApiError.generation_failed(str(exc)) from None
 
 
-async def _collect(job: Job, fanin: FanIn):
-    """Wait for every choice; returns per choice its text, logprobs (or None), finish reason; and the token count."""
+async def _collect(job: Job, fanin: FanIn, only_scores: bool = False):
+    """Wait for every choice; returns per choice its text, logprobs (or None), finish reason; the token count,
+    the cached tokens, and per choice its prompt's logprobs (or None). ``only_scores``: the generated token
+    is left out (``scores_only``)."""
     n = len(job.requests)
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs = [[] if r.params.logprobs is not None else None for r in job.requests]
     reasons: list[str | None] = [None] * n
+    scored: list[tuple[TokenLogprob, ...] | None] = [None] * n
     completion_tokens = cached = 0
     try:
         async with aclosing(_text_pieces(fanin)) as pieces:
             async for i, piece in pieces:
+                if piece.prompt_logprobs is not None:
+                    scored[i] = piece.prompt_logprobs
+                if only_scores:
+                    piece = _unsampled(piece)
                 texts[i].append(piece.text)
                 if logprobs[i] is not None:
                     logprobs[i].extend(piece.logprobs)
@@ -172,7 +179,13 @@ async def _collect(job: Job, fanin: FanIn):
                     cached = max(cached, piece.num_cached_tokens)  # (choices of one prompt: the best hit)
     finally:
         fanin.close()
-    return ["".join(t) for t in texts], logprobs, reasons, completion_tokens, cached
+    return ["".join(t) for t in texts], logprobs, reasons, completion_tokens, cached, scored
+
+
+def _unsampled(piece: RequestOutput) -> RequestOutput:
+    """A piece of a ``scores_only`` request without its generated token: it ends by length, having made none."""
+    return attrs.evolve(piece, text="", token_ids=(), logprobs=(), num_output_tokens=0,
+                        finish_reason=None if piece.finish_reason is None else "length", stop_string=None)
 
 
 async def _collect_turns(job: Job, fanin: FanIn, parsers: list[TurnParser]):
@@ -244,27 +257,37 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
         fanin.close()
 
 
-async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo] | None = None
-                             ) -> AsyncIterator[bytes]:
+async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo] | None = None,
+                             only_scores: bool = False) -> AsyncIterator[bytes]:
     """The chunks of a streamed completion: one write per piece, the last with the usage and ``[DONE]``;
-    with ``echo``, a first chunk per choice holds its prompt."""
+    with ``echo``, a first chunk per choice holds its prompt (once its first piece brings the prompt's
+    logprobs, when scored); ``only_scores``: the generated token is left out (``scores_only``)."""
     head = {**head, "object": "text_completion"} | ({"usage": None} if job.include_usage else {})
     offsets = [0] * len(job.requests)  # text_offset of each choice's next token
     text_chunks = [fmt.sse_template({**head, "choices": [fmt.completion_choice(i, fmt.SLOT, None, None)]})
                    for i in range(len(job.requests))]
     completion_tokens, ended, cached = 0, 0, 0
     out: list[bytes] = []
+    unscored = set()  # choices whose echo waits for their prompt's logprobs (on their first piece)
     try:
         if echo is not None:
             for i, prompt in enumerate(echo):
                 offsets[i] = len(prompt.text)
-                scored = job.requests[i].params.logprobs is not None
-                out.append(fmt.sse({**head, "choices": [fmt.completion_choice(
-                    i, prompt.text, None, fmt.echoed_logprobs(prompt.tokens) if scored else None)]}))
-            yield b"".join(out)
-            out.clear()
+                if job.requests[i].params.prompt_logprobs is not None:
+                    unscored.add(i)
+                else:
+                    out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, prompt.text, None, None)]}))
+            if out:
+                yield b"".join(out)
+                out.clear()
         async with aclosing(_text_pieces(fanin)) as pieces:
             async for i, piece in pieces:
+                if i in unscored:
+                    unscored.discard(i)
+                    out.append(fmt.sse({**head, "choices": [fmt.completion_choice(
+                        i, echo[i].text, None, fmt.echoed_logprobs(echo[i].tokens, piece.prompt_logprobs))]}))
+                if only_scores:
+                    piece = _unsampled(piece)
                 if job.requests[i].params.logprobs is not None:
                     logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i])
                     offsets[i] += sum(len(lp.token) for lp in piece.logprobs)

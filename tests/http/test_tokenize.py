@@ -117,7 +117,7 @@ def test_echo_with_logprobs_lists_the_prompts_tokens_first(server):
     lp = r.choices[0].logprobs
     generated = len(tok.encode(REPLY)) + 1  # and the end of text
     assert lp.tokens[:len(ids)] == [tok.token_text(t) for t in ids] and len(lp.tokens) == len(ids) + generated
-    assert lp.token_logprobs[:len(ids)] == [None] * len(ids)  # Spark does not score a prompt
+    assert lp.token_logprobs[:len(ids)] == [None] * len(ids)  # the replayed model scores no prompt
     assert all(p is not None for p in lp.token_logprobs[len(ids):])
     assert lp.text_offset[len(ids)] == len(prompt)  # the text's first generated character
     assert r.choices[0].text[lp.text_offset[len(ids)]:].startswith(lp.tokens[len(ids)])
