@@ -147,7 +147,7 @@ async def test_collected_completion_is_the_same_however_tokens_are_merged():
     answers = []
     for sizes in SPLITS:
         pieces = merged(token_pieces(logprobs=True), sizes)
-        texts, logprobs, reasons, tokens, _ = await routes._collect(job(logprobs=2), Pieces(pieces))
+        texts, logprobs, reasons, tokens, _, _ = await routes._collect(job(logprobs=2), Pieces(pieces))
         answers.append((texts, [lp.token for lp in logprobs[0]], reasons, tokens))
     assert all(a == answers[0] for a in answers)
     assert answers[0] == (["Hi there\u00e9!"], [t for t, _ in TOKENS], ["length"], len(TOKENS))
