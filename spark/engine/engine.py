@@ -33,11 +33,13 @@ from spark.engine.parallel import SINGLE, TensorParallel
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, PromptLogprob, StepPlan, TokenOutput
-from spark.engine.sampler import Prepared, SampleOutput, Sampler, SamplingBatch, unpack_token_masks, verified
+from spark.engine.sampler import (Prepared, SampleOutput, Sampler, SamplingBatch, raw_logprobs, unpack_token_masks,
+                                  verified)
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
 from spark.engine.tokenizer import Tokenizer
-from spark.engine.device import IdleCoreThreads, checked_device, default_device
+from spark.engine.device import (IdleCoreThreads, checked_device, default_device, give_back_freed_heap,
+                                 map_large_blocks)
 from spark.engine.transfer import HostCopy, upload
 
 log = logging.getLogger("spark.engine")
@@ -169,7 +171,7 @@ class Engine:
         runtime = attrs.evolve(Runtime.for_device(device, dtype, weight_format), tp=tp)
         t0 = time.perf_counter()
         if runtime.device.type == "cpu":
-            _map_large_blocks()
+            map_large_blocks()
         select = None
         if tp.world_size > 1:
             select = functools.partial(model_class(source.config.arch).weight_slice, source.config, tp)
@@ -182,7 +184,7 @@ class Engine:
 
             gguf.forget_readers()
         if runtime.device.type == "cpu":
-            _give_back_freed_heap()
+            give_back_freed_heap()
         log.info("loaded %s (%s) on %s, %s weights, in %.1fs", source.path or "dummy", source.kind, runtime.device,
                  runtime.weight_format, time.perf_counter() - t0)
         engine = cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
@@ -410,11 +412,8 @@ class Engine:
         """Queue the logprobs of the prompt tokens ``step.scored``'s rows predict, and their top
         alternatives, under the raw distribution (as the sampler's logprobs)."""
         rows = upload([first + i for _, first, n in step.scored for i in range(n)], torch.int64, self.device)
-        logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)  # [R, V]
-        chosen = logprobs.gather(1, upload(targets, torch.int64, self.device)[:, None]).squeeze(1)
         k = max(self._seqs[seq_id].params.prompt_logprobs for seq_id, _, _ in step.scored)
-        top = logprobs.topk(k, dim=-1) if k else None
-        return HostCopy((chosen, None if top is None else top.indices, None if top is None else top.values))
+        return HostCopy(raw_logprobs(logits.index_select(0, rows), upload(targets, torch.int64, self.device), k))
 
     def _keep_scores(self, step: _Launched) -> None:
         """Read a step's prompt scores back onto their sequences, for their first tokens to carry."""
@@ -644,31 +643,3 @@ def _groups(step: _Launched):
         draft = step.drafts.get(row, ())
         yield row, step.seq_ids[row], draft
         row += 1 + len(draft)
-
-
-def _map_large_blocks() -> None:
-    """Serve every block of 1 MB or more from its own mapping, returned to the system when freed.
-
-    glibc raises its mapping threshold each time such a block is freed (up to 32 MB), after
-    which a load's float32 temporaries and the packing's intermediates come from the heap
-    and stay resident once freed: ~130 MB more at the peak of loading SmolLM2, ~20 MB more
-    while serving. A fixed threshold stops that; the steps' blocks of that size are few."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
-
-
-def _give_back_freed_heap() -> None:
-    """Hand the heap that loading freed back to the system: glibc keeps it mapped, and a CPU load
-    frees hundreds of MB (dense float32 weights before packing, dequantized GGUF tensors)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass

@@ -139,14 +139,18 @@ class Sampler:
 
         if top_logprobs is None:
             return SampleOutput(token_ids=tokens)
-        logprobs = raw.log_softmax(dim=-1)  # logprobs: [B, V]
-        top = logprobs.topk(top_logprobs, dim=-1)  # sorted, most likely first
-        return SampleOutput(
-            token_ids=tokens,
-            logprobs=logprobs.gather(1, tokens[:, None]).squeeze(1),
-            top_token_ids=top.indices,
-            top_logprobs=top.values,
-        )
+        chosen, top_ids, top_lp = raw_logprobs(raw, tokens, top_logprobs)
+        return SampleOutput(token_ids=tokens, logprobs=chosen, top_token_ids=top_ids, top_logprobs=top_lp)
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under the raw distribution of ``logits`` [R, V] (float32 log-softmax): the logprob of each row's
+    token in ``tokens`` [R], and each row's ``k`` most likely token ids and logprobs, best first
+    ([R, k] each). The sampler's logprobs and the engine's prompt scores alike."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top = logprobs.topk(k, dim=-1)
+    return logprobs.gather(1, tokens[:, None]).squeeze(1), top.indices, top.values
 
 
 @attrs.frozen
