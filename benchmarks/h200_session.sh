@@ -24,6 +24,12 @@ step() {  # step NAME SECONDS COMMAND...
     echo "== $name: rc $rc in $((SECONDS - t0)) s"
     grep -v -i "warning\|^\s*$" "$OUT/$name.log" | tail -n 14
 }
+poisson() {  # poisson NAME SECONDS [FLAGS...]: issue 24's load (dummy 8B, 256 streams); later flags win
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" python poisson_serving.py --model dummy:llama-3.1-8b --requests 1000 --rate 32 \
+        --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 --out "$OUT/$name.json" "$@"
+}
 for name in "$@"; do
     case $name in
         serving-cold) step "$name" 360 python serving.py --cold --out "$OUT/serving-cold.json" ;;
@@ -31,18 +37,10 @@ for name in "$@"; do
         spec-verify) step "$name" 170 python spec_verify.py --out "$OUT/spec-verify.json" ;;
         spec-check) step "$name" 90 python ../scripts/gpu_spec_check.py --model dummy:llama-3.1-8b \
             --out "$OUT/spec-check.json" ;;
-        poisson) step "$name" 560 python poisson_serving.py --model dummy:llama-3.1-8b --requests 1000 --rate 32 \
-            --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 \
-            --out "$OUT/poisson.json" ;;
-        poisson-tbt) step "$name" 420 python poisson_serving.py --model dummy:llama-3.1-8b --requests 1000 --rate 32 \
-            --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 \
-            --spark-args="--tbt-deadline-ms 40" --out "$OUT/poisson-tbt.json" ;;
-        poisson-tbt-short) step "$name" 200 python poisson_serving.py --model dummy:llama-3.1-8b --requests 500 \
-            --rate 32 --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128 --warmup 16 \
-            --spark-args="--tbt-deadline-ms 40" --out "$OUT/poisson-tbt.json" ;;
-        poisson-bound) step "$name" 300 python poisson_serving.py --policies slai --model dummy:llama-3.1-8b \
-            --requests 1000 --rate 32 --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 \
-            --new 128 --spark-args="--ttft-bound 2" --out "$OUT/poisson-bound.json" ;;
+        poisson) poisson "$name" 560 ;;
+        poisson-tbt) poisson "$name" 420 --spark-args="--tbt-deadline-ms 40" ;;
+        poisson-tbt-short) poisson "$name" 200 --requests 500 --warmup 16 --spark-args="--tbt-deadline-ms 40" ;;
+        poisson-bound) poisson "$name" 300 --policies slai --spark-args="--ttft-bound 2" ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
         *) echo "unknown step $name" ;;

@@ -66,6 +66,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prefilled(engine, alloc, batch: int, prompt: int, params, gen: torch.Generator, tag: tuple) -> list:
+    """Add ``batch`` sequences of ``prompt`` random token ids (drawn from ``gen``) and prefill them, at most
+    8192 prompt tokens a step, on pages of ``alloc``; returns their ids (``tag`` + index). The prefill's
+    first tokens are sampled: what follows is decode."""
+    from spark.core.plan import Chunk, StepPlan
+
+    ids = [(*tag, i) for i in range(batch)]
+    for sid in ids:
+        engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (prompt,), generator=gen).tolist(), params)
+    per_step = max(1, 8192 // prompt)
+    for start in range(0, batch, per_step):
+        group = ids[start:start + per_step]
+        engine.step(StepPlan(tuple(Chunk(s, prompt, alloc.allocate(s, prompt)) for s in group)))
+    return ids
+
+
 def decode_once(engine, batch: int, prompt: int, new: int, seed: int) -> tuple[float, float]:
     """(decode tokens/s, ms per step) of ``batch`` random prompts of ``prompt`` tokens decoding ``new`` tokens
     each, launched two steps deep as the server does; the prefill is not timed (CUDA events on a GPU)."""
@@ -73,15 +89,8 @@ def decode_once(engine, batch: int, prompt: int, new: int, seed: int) -> tuple[f
     from spark.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    gen = torch.Generator().manual_seed(seed)
     alloc = engine.new_page_allocator()
-    ids = [("bench", seed, i) for i in range(batch)]
-    for sid in ids:
-        engine.add_sequence(sid, torch.randint(0, engine.config.vocab_size, (prompt,), generator=gen).tolist(), params)
-    per_step = max(1, 8192 // prompt)
-    for start in range(0, batch, per_step):
-        group = ids[start:start + per_step]
-        engine.step(StepPlan(tuple(Chunk(s, prompt, alloc.allocate(s, prompt)) for s in group)))
+    ids = prefilled(engine, alloc, batch, prompt, params, torch.Generator().manual_seed(seed), tag=("bench", seed))
     # step() already returned the prefill's first tokens: the rest are decode steps
     cuda = engine.device.type == "cuda"
     sync(engine.device)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from offline_decode import decode_once, sync
+from offline_decode import decode_once, prefilled, sync
 
 
 def expected_tokens(k: int, accept: float) -> float:
@@ -40,14 +40,8 @@ def verify_ms(engine, batch: int, prompt: int, k: int, steps: int, seed: int) ->
     params = SamplingParams(temperature=0.0, max_tokens=10 * steps * (k + 1) + 8, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
     alloc = engine.new_page_allocator()
-    ids = [("verify", seed, i) for i in range(batch)]
+    ids = prefilled(engine, alloc, batch, prompt, params, gen, tag=("verify", seed))
     vocab = engine.config.vocab_size
-    for sid in ids:
-        engine.add_sequence(sid, torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
-    per_prefill = max(1, 8192 // prompt)
-    for start in range(0, batch, per_prefill):
-        group = ids[start:start + per_prefill]
-        engine.step(StepPlan(tuple(Chunk(s, prompt, alloc.allocate(s, prompt)) for s in group)))
     times = []
     try:
         for step in range(steps + 3):  # three warm-up steps
