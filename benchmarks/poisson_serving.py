@@ -60,7 +60,6 @@ import json
 import math
 import multiprocessing
 import os
-import queue as queue_module
 import random
 import shlex
 import subprocess
@@ -68,7 +67,7 @@ import sys
 import threading
 import time
 
-from serving import (latency_summary, percentile, spread_load, step_shape, step_totals, stop_server,
+from serving import (gather, latency_summary, percentile, spread_load, step_shape, step_totals, stop_server,
                      triton_kernels, wait_for_graphs, wait_healthy)
 
 SENT, DONE, REFUSED, FAILED = range(4)  # slots of the shared progress counters
@@ -179,19 +178,8 @@ def run_schedule(url: str, prompts: list[list[int]], arrivals: list[float], cap:
     for w in workers:
         w.start()
 
-    def collect(q, n: int, tick) -> list:
-        got = []
-        while len(got) < n:
-            try:
-                got.append(q.get(timeout=5))
-            except queue_module.Empty:
-                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a load process failed (exit code {dead[0]})") from None
-                tick()
-        return got
 
-    collect(ready, procs, lambda: None)
+    gather(ready, procs, workers)
     start_at.value = time.time() + 1.0
     go.set()
 
@@ -202,7 +190,7 @@ def run_schedule(url: str, prompts: list[list[int]], arrivals: list[float], cap:
         print(f"  {label}: {time.time() - start_at.value:6.0f}s  {finished}/{len(prompts)} done, "
               f"{sent - finished} in flight, {refused} refused, {failed} errors", file=sys.stderr, flush=True)
 
-    parts = collect(results, procs, progress)
+    parts = gather(results, procs, workers, progress)
     progress()
     for w in workers:
         w.join()

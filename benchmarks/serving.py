@@ -126,6 +126,22 @@ def _load_process(url: str, prompts: list[list[int]], clients: int, new: int, ba
     results.put(asyncio.run(load(url, prompts, clients, new)))
 
 
+def gather(results, n: int, workers, tick=None) -> list:
+    """``n`` items from ``results``, a queue the load processes ``workers`` fill; raises as soon as one
+    of them failed, and calls ``tick`` every 5 s of waiting."""
+    got = []
+    while len(got) < n:
+        try:
+            got.append(results.get(timeout=5))
+        except queue_module.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a load process failed (exit code {dead[0]})") from None
+            if tick is not None:
+                tick()
+    return got
+
+
 def spread_load(url: str, prompts: list[list[int]], clients: int, new: int, procs: int) -> dict:
     """``load`` over ``procs`` processes (one asyncio loop parses a few thousand SSE lines/s at most).
 
@@ -142,14 +158,7 @@ def spread_load(url: str, prompts: list[list[int]], clients: int, new: int, proc
         for i in range(procs)]
     for w in workers:
         w.start()
-    parts = []
-    while len(parts) < procs:
-        try:
-            parts.append(results.get(timeout=5))
-        except queue_module.Empty:
-            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"a load process failed (exit code {dead[0]})") from None
+    parts = gather(results, procs, workers)
     for w in workers:
         w.join()
     return {
