@@ -41,6 +41,10 @@ for name in "$@"; do
         poisson-tbt) poisson "$name" 420 --spark-args="--tbt-deadline-ms 40" ;;
         poisson-tbt-short) poisson "$name" 200 --requests 500 --warmup 16 --spark-args="--tbt-deadline-ms 40" ;;
         poisson-bound) poisson "$name" 300 --policies slai --spark-args="--ttft-bound 2" ;;
+        # chat-like prompt lengths (log-normal, median 256, 128..4096), arrivals above what the server drains
+        poisson-chat) poisson "$name" 300 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 45" ;;
+        poisson-chat-slai55) poisson "$name" 170 --prompt-dist lognormal --rate 48 --policies slai \
+            --spark-args="--tbt-deadline-ms 55" ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
         *) echo "unknown step $name" ;;

@@ -18,9 +18,10 @@ For each policy: a fresh ``spark serve --scheduler <policy>`` subprocess; wait f
 for the background CUDA-graph capture (/metrics gauges); a warm-up of ``--warmup`` requests
 spanning the prompt lengths (not the timed prompts; 4 new tokens each); then the timed run.
 Every policy gets the same prompts (random token ids, lengths log-uniform in [--min-prompt,
---max-prompt], seeded) arriving at the same times (a Poisson process at ``--rate`` requests/s:
+--max-prompt], or with ``--prompt-dist lognormal`` chat-like: log-normal around ``--prompt-median``
+clipped to that range; seeded) arriving at the same times (a Poisson process at ``--rate`` requests/s:
 exponential gaps, seeded). The requests are streamed /v1/completions (greedy, ``ignore_eos``,
-``--new`` tokens, usage chunk on), sent by asyncio + httpx in ``--load-procs`` processes
+``--new`` tokens, usage on every chunk: vLLM's ``continuous_usage_stats``), sent by asyncio + httpx in ``--load-procs`` processes
 (requests dealt round-robin; each process holds at most its share of ``--concurrency-cap`` in
 flight; a request that finds no slot waits in the client). A refused request (HTTP 429 or 503,
 the admission control) is counted with its ``Retry-After`` and not retried.
@@ -35,8 +36,11 @@ Each row (one per policy) in the JSON under benchmarks/results/:
   ttft_predictions, ttft_prediction_error_median, ttft_predictions_within_25pct: the admission's TTFT
     predictions in the timed run against the measured TTFT (the server's spark_ttft_prediction_error_ratio
     histogram; the median interpolated within its bucket; absent when nothing was predicted).
-  itl_p50_ms / itl_p99_ms: gaps between consecutive content chunks of a stream (all streams pooled);
-    tokens_per_chunk says whether a chunk carried more than one token.
+  itl_p50_ms / itl_p99_ms: time between tokens, all streams pooled: the gap before a content chunk
+    spread over the tokens it carries (its usage says how many; as SGLang's bench_serving does). A chunk
+    carries several when the detokenizer held text back (random tokens: bytes of one character), so
+    the engine's token cadence is what this measures; tokens_per_chunk says how often that happened.
+  chunk_gap_p50_ms / chunk_gap_p99_ms: the gaps between content chunks themselves, as a reader sees them.
   completed, errors (failed, not counting refusals), refused, refused_by_status ({"429": n, ...}),
     retry_after_s ({value: n} of the refusals' Retry-After headers), refused_without_retry_after.
   send_lag_p99_ms: scheduled arrival -> request sent (the cap's wait plus the generator's lateness).
@@ -74,11 +78,15 @@ SENT, DONE, REFUSED, FAILED = range(4)  # slots of the shared progress counters
 
 
 def workload(args) -> tuple[list[list[int]], list[float]]:
-    """The prompts (lengths log-uniform in [min, max]) and their arrival offsets (Poisson), seeded."""
+    """The prompts (lengths drawn as ``--prompt-dist`` says, within [min, max]) and their arrival
+    offsets (Poisson), seeded."""
     rng = random.Random(args.seed)
     lo, hi = math.log(args.min_prompt), math.log(args.max_prompt)
-    lengths = [min(args.max_prompt, max(args.min_prompt, round(math.exp(rng.uniform(lo, hi)))))
-               for _ in range(args.requests)]
+    if args.prompt_dist == "lognormal":  # chat-like: most prompts short, a long tail to --max-prompt
+        draw = lambda: rng.lognormvariate(math.log(args.prompt_median), args.prompt_sigma)  # noqa: E731
+    else:
+        draw = lambda: math.exp(rng.uniform(lo, hi))  # noqa: E731
+    lengths = [min(args.max_prompt, max(args.min_prompt, round(draw()))) for _ in range(args.requests)]
     prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
     arrivals, t = [], 0.0
     for _ in range(args.requests):
@@ -110,13 +118,14 @@ async def arrival_client(url: str, jobs: list[tuple[int, float, list[int]]], cap
 
     async def one(http: httpx.AsyncClient, index: int, offset: float, prompt: list[int]) -> dict:
         await asyncio.sleep(max(0.0, start_at + offset - time.time()))
-        rec = {"i": index, "due": offset, "status": None, "ttft": None, "gaps": [], "chunks": 0, "tokens": 0,
+        rec = {"i": index, "due": offset, "status": None, "ttft": None, "gaps": [], "token_gaps": [], "chunks": 0,
+               "tokens": 0,
                "retry_after": None, "error": None}
         async with slots:
             rec["sent"] = time.time() - start_at
             bump(SENT)
             body = {"model": "sparky", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+                    "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             t0 = last = time.perf_counter()
             try:
                 async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -129,6 +138,7 @@ async def arrival_client(url: str, jobs: list[tuple[int, float, list[int]]], cap
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
                             chunk = json.loads(line[6:])
+                            before = rec["tokens"]
                             if chunk.get("usage"):
                                 rec["tokens"] = chunk["usage"]["completion_tokens"]
                             if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -137,6 +147,10 @@ async def arrival_client(url: str, jobs: list[tuple[int, float, list[int]]], cap
                                     rec["ttft"] = now - t0
                                 else:
                                     rec["gaps"].append(now - last)
+                                    # a chunk of n tokens (the text of some waits for the next: bytes
+                                    # of one character) spreads its gap over them, as SGLang's bench does
+                                    n = max(1, rec["tokens"] - before)
+                                    rec["token_gaps"].extend([(now - last) / n] * n)
                                 last = now
                                 rec["chunks"] += 1
             except httpx.HTTPError as exc:  # counted, not fatal
@@ -295,7 +309,8 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
     refused = [r for r in recs if r["status"] in (429, 503)]
     failed = [r for r in recs if r["error"] and r["status"] not in (429, 503)]
     wall = max(r["end"] for r in recs) - min(arrivals)
-    pooled = {"ttft": [r["ttft"] for r in ok if r["ttft"] is not None], "gaps": [g for r in ok for g in r["gaps"]],
+    token_gaps = [g for r in ok for g in r["token_gaps"]]
+    pooled = {"ttft": [r["ttft"] for r in ok if r["ttft"] is not None], "gaps": token_gaps,
               "output_tokens": sum(r["tokens"] for r in ok), "chunks": sum(r["chunks"] for r in ok),
               "errors": [r["error"] for r in failed]}
     lengths = [len(p) for p in prompts]
@@ -319,6 +334,8 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         "prompt_min": min(lengths), "prompt_p50": percentile(lengths, 0.5),
         "prompt_mean": round(sum(lengths) / len(lengths), 1), "prompt_max": max(lengths),
         "output_tok_s": round(pooled["output_tokens"] / wall, 1), **latency,
+        "chunk_gap_p50_ms": round(1000 * percentile([g for r in ok for g in r["gaps"]] or [0.0], 0.5), 2),
+        "chunk_gap_p99_ms": round(1000 * percentile([g for r in ok for g in r["gaps"]] or [0.0], 0.99), 2),
         "ttft_max_ms": round(1000 * max(pooled["ttft"] or [0.0]), 1), **predicted,
         "ttft_from_arrival_p99_ms": round(1000 * percentile(
             [r["sent"] - r["due"] + r["ttft"] for r in ok if r["ttft"] is not None] or [0.0], 0.99), 1),
@@ -365,6 +382,10 @@ def main() -> int:
     ap.add_argument("--concurrency-cap", type=int, default=256, help="streams in flight at most (client side)")
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=4096)
+    ap.add_argument("--prompt-dist", choices=["loguniform", "lognormal"], default="loguniform",
+                    help="prompt lengths: log-uniform in [min, max], or log-normal (chat-like) clipped to it")
+    ap.add_argument("--prompt-median", type=int, default=256, help="lognormal: the median prompt length")
+    ap.add_argument("--prompt-sigma", type=float, default=1.0, help="lognormal: sigma of log(length)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-batch-size", type=int, default=256)

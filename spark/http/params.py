@@ -53,6 +53,7 @@ class Job:
     prompt_tokens: int  # over distinct prompts (n copies of a prompt count once)
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # each streamed chunk carries its choice's usage so far (vLLM's option)
 
 
 def sampling_params(limits: Limits, given: Mapping[str, object], *, max_tokens: int | None,
@@ -277,8 +278,10 @@ def build_job(request_id: str, req: SamplingFields, prompts: Sequence[Sequence[i
                 params=attrs.evolve(capped, seed=seed), stop=stop, api_key=api_key,
                 skip_special_tokens=req.skip_special_tokens is not False, grammar=grammar,
                 speculative=req.speculative is not False, tbt_s=tbt_s))
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    return Job(tuple(requests), sum(len(p) for p in prompts), bool(req.stream), include_usage, continuous)
 
 
 def tbt_target(tbt_ms: float | None) -> float | None:

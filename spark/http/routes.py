@@ -182,6 +182,14 @@ async def _collect(job: Job, fanin: FanIn, only_scores: bool = False):
     return ["".join(t) for t in texts], logprobs, reasons, completion_tokens, cached, scored
 
 
+def _usage_so_far(job: Job, piece: RequestOutput) -> dict:
+    """``{"usage": ...}`` of a piece's choice so far when the stream asked for continuous usage (vLLM's
+    ``continuous_usage_stats``: a client counts the tokens each chunk carries), else nothing."""
+    if not job.continuous_usage:
+        return {}
+    return {"usage": fmt.usage(piece.num_prompt_tokens, piece.num_output_tokens, piece.num_cached_tokens)}
+
+
 def _unsampled(piece: RequestOutput) -> RequestOutput:
     """A piece of a ``scores_only`` request without its generated token: it ends by length, having made none."""
     return attrs.evolve(piece, text="", token_ids=(), logprobs=(), num_output_tokens=0,
@@ -233,13 +241,14 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
                 logprobs = piece.logprobs if job.requests[i].params.logprobs is not None else None
                 if logprobs and not events:  # the piece's text is held back, its tokens are not
                     events = [ContentDelta("")]
+                so_far = _usage_so_far(job, piece) if piece is not None else {}
                 for k, event in enumerate(events):
-                    fill = text_chunks.get((i, type(event))) if not (logprobs and k == 0) else None
+                    fill = text_chunks.get((i, type(event))) if not (logprobs and k == 0 or so_far) else None
                     if fill is not None:
                         out.append(fill(event.text))
                     else:
                         out.append(fmt.sse(fmt.chat_chunk(head, i, fmt.chat_delta(event),
-                                                          logprobs=logprobs if k == 0 else None)))
+                                                          logprobs=logprobs if k == 0 else None) | so_far))
                 if done is not None:
                     completion_tokens += done.usage.completion_tokens
                     cached = max(cached, done.usage.cached_tokens)
@@ -288,14 +297,16 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo
                         i, echo[i].text, None, fmt.echoed_logprobs(echo[i].tokens, piece.prompt_logprobs))]}))
                 if only_scores:
                     piece = _unsampled(piece)
+                so_far = _usage_so_far(job, piece)
                 if job.requests[i].params.logprobs is not None:
                     logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i])
                     offsets[i] += sum(len(lp.token) for lp in piece.logprobs)
                     if piece.text or piece.logprobs:
                         out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, piece.text, None,
-                                                                                       logprobs)]}))
+                                                                                       logprobs)], **so_far}))
                 elif piece.text:
-                    out.append(text_chunks[i](piece.text))
+                    out.append(text_chunks[i](piece.text) if not so_far else fmt.sse(
+                        {**head, "choices": [fmt.completion_choice(i, piece.text, None, None)], **so_far}))
                 if piece.finish_reason is not None:
                     completion_tokens += piece.num_output_tokens
                     cached = max(cached, piece.num_cached_tokens)

@@ -82,6 +82,7 @@ class NamedToolChoice:
 @attrs.frozen
 class StreamOptions:
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
 @attrs.frozen(kw_only=True)

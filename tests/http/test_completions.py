@@ -67,6 +67,30 @@ def test_streamed_completion(server):
     assert "".join(pieces) == whole.choices[0].text
 
 
+def test_continuous_usage_counts_each_chunks_tokens(server):
+    """vLLM's ``continuous_usage_stats``: every text chunk says how many tokens the choice has so far, the
+    count rising by the tokens the chunk carries, so that a load generator can time tokens, not chunks."""
+    for api in ("completions", "chat"):
+        counts = []
+        if api == "completions":
+            stream = _complete(server, prompt="One, two, three,", max_tokens=12, temperature=0, stream=True,
+                               stream_options={"include_usage": True, "continuous_usage_stats": True},
+                               extra_body={"ignore_eos": True})
+            texts = (chunk.usage.completion_tokens for chunk in stream if chunk.choices and chunk.choices[0].text)
+        else:
+            stream = server.client().chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=12,
+                temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+                extra_body={"ignore_eos": True})
+            texts = (chunk.usage.completion_tokens for chunk in stream
+                     if chunk.choices and chunk.choices[0].delta.content)
+        counts = list(texts)
+        assert counts and counts == sorted(counts) and 1 <= counts[0] and counts[-1] <= 12, (api, counts)
+        plain = _complete(server, prompt="One, two,", max_tokens=3, temperature=0, stream=True,
+                          stream_options={"include_usage": True})
+        assert all(c.usage is None for c in plain if c.choices), api  # without the option, only the last
+
+
 def test_default_max_tokens_is_capped_to_the_context_left(server):
     prompt = [1] * (MAX_MODEL_LEN - 4)
     r = _complete(server, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
