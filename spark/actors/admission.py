@@ -2,9 +2,11 @@
 
 A server that queues every request silently turns overload into minutes of waiting that the client
 cannot see coming. ``TtftPredictor`` predicts, at submission, when a new request's first token would
-come: the prompt tokens queued ahead of it (submitted, no first token yet) plus its own, prefilled
-a step's budget at a time beside the streams that run, each step as long as the step time model
-(``core/step_model.py``, learnt from the core's step shapes) says. With ``ttft_bound_s`` set, the
+come: first the steps already planned (the core launches ``depth`` steps ahead, so a request
+arriving now waits on average for the rest of the running step and the one queued behind it, as
+long as the latest steps took), then the prompt tokens queued ahead of it (submitted, no first
+token yet) plus its own, prefilled a step's budget at a time beside the streams that run, each
+step as long as the step time model (``core/step_model.py``, learnt from the core's step shapes) says. With ``ttft_bound_s`` set, the
 ingress refuses a request predicted past the bound (429, Anthropic's 529 ``overloaded_error``) with a
 ``Retry-After`` of the time until the queue ahead of it would fit the bound, instead of queueing it.
 The prediction of every admitted request is kept, and set against its measured TTFT in the metrics
@@ -17,6 +19,7 @@ prefix-cache hits (a cached prompt costs fewer steps than predicted).
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import attrs
 
@@ -33,6 +36,7 @@ class AdmissionLimits:
     tbt_deadline: float = 0.2
     min_prefill_chunk: int = 16
     ttft_bound_s: float | None = None  # refuse a request predicted to wait longer; None: admit all
+    depth: int = 2  # steps the core launches ahead (``Core.depth``)
 
 
 class TtftPredictor:
@@ -42,12 +46,21 @@ class TtftPredictor:
         self.running = 0
         self._queued: dict[str, int] = {}  # submitted, no first token yet -> prompt tokens
         self._predicted: dict[str, float] = {}  # -> its predicted TTFT, while it waits
+        self._recent: deque[float] = deque(maxlen=16)  # the latest steps' seconds
 
     def observe_core(self, running: int, steps) -> None:
         """A core snapshot: the streams running, and the steps (``StepShape``) since the last one."""
         self.running = running
         for step in steps:
             self.step_time.observe(step.decode_rows, step.prefill_tokens, step.seconds)
+            self._recent.append(step.seconds)
+
+    def in_flight(self) -> float:
+        """Seconds until the steps planned before a request arriving now are done: the rest of the
+        running one (half, on average) and the ``depth - 1`` queued behind it; none when idle."""
+        if not (self.running or self._queued) or not self._recent:
+            return 0.0
+        return (self.limits.depth - 0.5) * sum(self._recent) / len(self._recent)
 
     def predict(self, prompt_tokens: int) -> float | None:
         """Seconds from now to the first token of a request of ``prompt_tokens``; None before the model
@@ -61,7 +74,7 @@ class TtftPredictor:
             budget = prefill_within(fit, limits.tbt_deadline, self.running, budget, limits.min_prefill_chunk)
         ahead = sum(self._queued.values()) + prompt_tokens
         steps = math.ceil(ahead / budget)
-        return steps * fit.seconds(self.running, min(budget, ahead))
+        return self.in_flight() + steps * fit.seconds(self.running, min(budget, ahead))
 
     def refusal(self, prompt_tokens: int) -> tuple[float, float] | None:
         """(predicted TTFT, seconds to retry after) when the bound refuses this request, else None."""

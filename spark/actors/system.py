@@ -35,6 +35,7 @@ from spark.actors.host import ThreadTransport, Transport, run_host
 from spark.actors.ingress import Ingress, RequestStream, SubmitError
 from spark.actors.messages import GenerateRequest
 from spark.actors.rate_limiter import RateLimiter
+from spark.core.core import DEFAULT_DEPTH
 from spark.core.interfaces import LoadedEngine, StepEngine
 from spark.engine.sampling import SamplingParams
 from spark.metrics import Metrics, ThroughputLog
@@ -111,7 +112,8 @@ async def open_system(
         config: limits and policies (``ServeConfig``).
     """
     metrics = Metrics(TtftPredictor(AdmissionLimits(config.scheduler, config.max_prefill_tokens,
-                                                    config.tbt_deadline_ms / 1000.0, ttft_bound_s=config.ttft_bound_s)))
+                                                    config.tbt_deadline_ms / 1000.0, ttft_bound_s=config.ttft_bound_s,
+                                                    depth=config.scheduler_depth or DEFAULT_DEPTH)))
     transport: Transport = engine.transport() if isinstance(engine, EngineProcess) else ThreadTransport(engine)
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)
     cancels_send, cancels_recv = trio.open_memory_channel(1024)
