@@ -20,9 +20,9 @@ The Triton path, as vLLM's fused MoE does it:
 Rounding, both paths: products accumulate in fp32, ``h`` and each slot's weighted ``y`` are
 rounded to the activations' dtype, the top-k sum is taken in fp32 and rounded once.
 
-For a few tokens (decode) the grouped GEMM is the wrong shape: one token and its top-8 make
-eight blocks of 16 rows, 15 of them padding, in a few dozen 64-column tiles, too few programs
-to stream the experts' weights at full bandwidth, behind an align launch. ``fused_moe_gemv_triton``
+For a few tokens (decode) the grouped GEMM is the wrong shape: one Qwen3-MoE token's top-8 make
+eight blocks of 16 rows, 15 of each padding, and 96 programs of 64 gate/up columns (256 for
+down), too few to stream the experts' weights at full bandwidth, behind an align launch. ``fused_moe_gemv_triton``
 reads the experts straight from ``topk_ids`` instead, as matrix-vector products (see
 ``moe_path`` for when):
 
