@@ -11,9 +11,11 @@ The roofline counts the bytes a decode step must read (../shared/PERF.md's metho
 weight outside the experts once (attention, norms, routers, dense MLP layers, the head; one
 embedding row per sequence), the experts the step's tokens are routed to (each once, however
 many of the batch's tokens share it), the KV cache read and written; over 4.25 TB/s, or the
-step's FLOPs over 783 TFLOP/s if larger. Batch 1 touches top-k experts a layer; how many a
+step's FLOPs over 783 TFLOP/s if larger (``roofline_frac``; ``roofline_frac_copy`` divides by this
+card's own measured copy rate instead). Batch 1 touches top-k experts a layer; how many a
 batch of 64 touches is counted from the router during an eager run of the same decode (the
-warm-up), layer by layer and step by step.
+warm-up), layer by layer and step by step. Each row names the path its experts ran by
+(``moe_path``: the GEMVs for a few tokens, the grouped GEMMs for more, the reference on the CPU).
 
 transformers' ``generate`` of the same config with random bf16 weights runs in the same
 process afterwards (its dynamic cache; fewer new tokens at batch 1, where it is slow). Prints
@@ -26,12 +28,15 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 
 import torch
-from offline_decode import copy_bandwidth, decode_once, git_commit, sync, write_results  # a sibling: benchmarks/ is the script's directory
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's spark
+from offline_decode import copy_bandwidth, decode_once, git_commit, sync, write_results  # noqa: E402  (a sibling: benchmarks/ is the script's directory)
 
 BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy on one H200 (PERF.md)
 MATMUL = 783e12  # bf16 FLOP/s on one H200 (PERF.md)
@@ -69,25 +74,46 @@ class ExpertCounter:
             h.remove()
 
 
-def check_kernel(model, device, dtype) -> dict:
-    """The fused kernel against the torch reference on one layer's real weights (decode and prefill sizes)."""
-    from spark.engine.kernels import fused_moe
+def first_moe(model):
     from spark.engine.models.moe import SparseMoe
 
-    moe = next(layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, SparseMoe))
+    return next(layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, SparseMoe))
+
+
+def moe_path(model, batch: int) -> str:
+    """The experts' path a decode step of ``batch`` rows runs: the torch reference (the CPU's ops),
+    or the fused kernel's "gemv" or "grouped" (``fused_moe.moe_path``, a function of the shapes alone)."""
+    from spark.engine.kernels import fused_moe
+    from spark.engine.models import ops
+
+    moe = first_moe(model)
+    if moe.ops.moe is not ops.TritonOps.moe:
+        return "reference"
+    return fused_moe.moe_path(batch, moe.top_k, moe.w13.shape[0])
+
+
+def check_kernel(model, device, dtype) -> dict:
+    """The fused kernel against the torch reference on one layer's real weights (decode and prefill
+    sizes): max |diff| / max |ref| and the path taken, by tokens."""
+    from spark.engine.kernels import fused_moe
+
+    moe = first_moe(model)
     gen = torch.Generator(device=device).manual_seed(0)
     worst = {}
-    for tokens in (1, 64, 2000):
+    for tokens in (1, 4, 64, 2000):
         x = torch.randn(tokens, moe.w13.shape[2], generator=gen, device=device).to(dtype)
         weights, ids = fused_moe.route(moe.gate(x), moe.top_k, moe.renormalize)
         got = fused_moe.fused_moe_triton(x, moe.w13, moe.w2, weights, ids).float()
         want = fused_moe.fused_moe_reference(x, moe.w13, moe.w2, weights, ids).float()
-        worst[tokens] = round(((got - want).abs().max() / want.abs().max()).item(), 5)
+        worst[tokens] = {"rel_err": round(((got - want).abs().max() / want.abs().max()).item(), 5),
+                         "path": fused_moe.moe_path(tokens, moe.top_k, moe.w13.shape[0])}
     return worst
 
 
-def step_roofline(config, model, batch: int, experts_per_layer: float, context: float, dtype_bytes: int) -> dict:
-    """Bytes and FLOPs a decode step of ``batch`` rows at mean ``context`` must move and do."""
+def step_roofline(config, model, batch: int, experts_per_layer: float, context: float, dtype_bytes: int,
+                  bandwidth: float = BANDWIDTH) -> dict:
+    """Bytes and FLOPs a decode step of ``batch`` rows at mean ``context`` must move and do (over
+    ``bandwidth`` bytes/s and MATMUL FLOP/s)."""
     from spark.engine.models.moe import SparseMoe
 
     c = config
@@ -104,10 +130,10 @@ def step_roofline(config, model, batch: int, experts_per_layer: float, context: 
     step_bytes = (dense_params + touched) * dtype_bytes + batch * context * kv_tok + batch * kv_tok
     active = dense_params + len(sparse) * c.num_experts_per_tok * expert_params
     step_flops = 2 * active * batch + 4 * batch * context * c.num_heads * c.head_dim * c.num_layers
-    step_s = max(step_bytes / BANDWIDTH, step_flops / MATMUL)
+    step_s = max(step_bytes / bandwidth, step_flops / MATMUL)
     return {"step_bytes": int(step_bytes), "step_flops": int(step_flops), "roofline_step_ms": step_s * 1e3,
             "roofline_tok_s": batch / step_s, "experts_per_layer": experts_per_layer,
-            "bound": "bytes" if step_bytes / BANDWIDTH >= step_flops / MATMUL else "flops"}
+            "bound": "bytes" if step_bytes / bandwidth >= step_flops / MATMUL else "flops"}
 
 
 
@@ -198,8 +224,8 @@ def main() -> int:
         log(f"device-to-device copy {doc['copy_tb_s']} TB/s (the roofline assumes {BANDWIDTH / 1e12})")
 
     if device.type == "cuda":
-        doc["kernel_check_rel_err"] = check_kernel(engine.model, device, dtype)
-        log(f"fused MoE vs the torch reference, max |diff| / max |ref| by tokens: {doc['kernel_check_rel_err']}")
+        doc["kernel_check"] = check_kernel(engine.model, device, dtype)
+        log(f"fused MoE vs the torch reference, max |diff| / max |ref| and path by tokens: {doc['kernel_check']}")
     # Warm-up, eager, with the router counted: how many distinct experts a decode step touches.
     experts = {}
     for batch in batches:
@@ -227,12 +253,18 @@ def main() -> int:
                              dtype.itemsize)
         row = {"batch": batch, "tok_s": round(tok_s, 1), "step_ms": round(statistics.median(r[1] for r in runs), 3),
                "tok_s_runs": [round(r[0], 1) for r in runs], "roofline_frac": round(tok_s / roof["roofline_tok_s"], 3),
+               "moe_path": moe_path(engine.model, batch),
+               # The same bytes over this card's own copy rate (an H100's is well below PERF.md's H200 figure).
+               "roofline_frac_copy": (round(tok_s / step_roofline(
+                   config, engine.model, batch, experts[batch], args.prompt + args.new / 2, dtype.itemsize,
+                   doc["copy_tb_s"] * 1e12)["roofline_tok_s"], 3) if "copy_tb_s" in doc else None),
                **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in roof.items()}, "hf_tok_s": None}
         rows.append(row)
         doc["results"] = rows
         _write(args, doc)
         log(f"batch {batch}: spark {tok_s:.1f} tok/s (runs {row['tok_s_runs']}), step {row['step_ms']} ms, "
-            f"roofline {roof['roofline_tok_s']:.1f} tok/s ({roof['bound']}), {row['roofline_frac']} of it")
+            f"roofline {roof['roofline_tok_s']:.1f} tok/s ({roof['bound']}), {row['roofline_frac']} of it; "
+            f"experts by the {row['moe_path']} path")
     del engine, counter  # the counter's hooks hold the model too
     gc.collect()  # the engine's reference cycles hold its weights and KV cache until collected
     if device.type == "cuda":
@@ -248,11 +280,14 @@ def main() -> int:
             _write(args, doc)
     path = _write(args, doc)
     print(f"\n{args.preset} on {doc['device']} ({dtype}), {args.prompt}-token prompts, {args.new} new tokens; "
-          f"roofline at {BANDWIDTH / 1e12} TB/s, {MATMUL / 1e12:.0f} TFLOP/s")
-    print(f"{'batch':>5} {'spark tok/s':>11} {'step ms':>8} {'experts':>8} {'roof tok/s':>10} {'frac':>6} {'hf tok/s':>9}")
+          f"roofline at {BANDWIDTH / 1e12} TB/s, {MATMUL / 1e12:.0f} TFLOP/s"
+          + (f" (frac@copy: at this card's {doc['copy_tb_s']} TB/s copy)" if "copy_tb_s" in doc else ""))
+    print(f"{'batch':>5} {'moe path':>9} {'spark tok/s':>11} {'step ms':>8} {'experts':>8} {'roof tok/s':>10} "
+          f"{'frac':>6} {'frac@copy':>9} {'hf tok/s':>9}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['tok_s']:>11} {r['step_ms']:>8} {r['experts_per_layer']:>8.1f} "
-              f"{r['roofline_tok_s']:>10.1f} {r['roofline_frac']:>6} {str(r['hf_tok_s']):>9}")
+        print(f"{r['batch']:>5} {r['moe_path']:>9} {r['tok_s']:>11} {r['step_ms']:>8} {r['experts_per_layer']:>8.1f} "
+              f"{r['roofline_tok_s']:>10.1f} {r['roofline_frac']:>6} {str(r['roofline_frac_copy']):>9} "
+              f"{str(r['hf_tok_s']):>9}")
     print(f"results: {path}")
     return 0
 

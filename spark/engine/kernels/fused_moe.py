@@ -19,6 +19,24 @@ The Triton path, as vLLM's fused MoE does it:
 
 Rounding, both paths: products accumulate in fp32, ``h`` and each slot's weighted ``y`` are
 rounded to the activations' dtype, the top-k sum is taken in fp32 and rounded once.
+
+For a few tokens (decode) the grouped GEMM is the wrong shape: one Qwen3-MoE token's top-8 make
+eight blocks of 16 rows, 15 of each padding, and 96 programs of 64 gate/up columns (256 for
+down), too few to stream the experts' weights at full bandwidth, behind an align launch. ``fused_moe_gemv_triton``
+reads the experts straight from ``topk_ids`` instead, as matrix-vector products (see
+``moe_path`` for when):
+
+1. gate/up: one program per (slot, ``BLOCK_N`` of the I outputs), a pass over those gate and
+   up rows of the slot's expert along the whole of D, SwiGLU in the epilogue: ``h`` [T * k, I];
+2. down and combine: one program per (token, ``BLOCK_N`` of the D outputs), looping over the
+   token's k picks, each pick's product rounded and weighted, the k of them summed in fp32 in
+   registers. No atomics and no per-slot ``y``: the sum has one order, so the output is
+   deterministic and each token's result does not depend on the others in the batch.
+
+Both read the weights in the layout above (rows contiguous along K), the big-batch layout.
+With the reference's roundings (gate and up rounded before the SwiGLU, each pick's product
+rounded before its weight) the path is bit-exact with ``fused_moe_reference`` up to the order
+of the fp32 sums.
 """
 
 from __future__ import annotations
@@ -94,6 +112,51 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return y.view(num_tokens, k, -1).float().sum(1).to(x.dtype)
 
 
+# The GEMV path reads one expert's weights per slot (per token and pick), where the grouped
+# GEMM reads each distinct expert once for all its tokens. Up to this many slots (32: Qwen3-MoE's
+# 4 tokens x top-8) a GEMV program per slot still leaves each program a long weight stream; past
+# it tokens share experts often enough that the grouped GEMM's shared tiles win.
+GEMV_MAX_SLOTS = 32
+# ... and only while the extra reads of experts picked by several tokens stay this small (a
+# fraction of the distinct experts' bytes, expected for uniform routing): Mixtral's 8 experts,
+# top-2, repeat often from 3 tokens on.
+GEMV_MAX_REREAD = 0.25
+
+
+def moe_path(num_tokens: int, top_k: int, num_experts: int) -> str:
+    """Which Triton path ``fused_moe_triton`` takes: "gemv" (few tokens) or "grouped" (the aligned GEMMs).
+
+    A function of the shapes alone (no host sync), so that a captured graph's path is fixed by its batch.
+    """
+    slots = num_tokens * top_k
+    if slots > GEMV_MAX_SLOTS:
+        return "grouped"
+    # Distinct experts among the slots, expected when each token's picks are uniform.
+    distinct = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+    return "gemv" if slots <= (1 + GEMV_MAX_REREAD) * distinct else "grouped"
+
+
+def gemv_config(hidden: int, inter: int) -> dict:
+    """Launch shapes of the two GEMV kernels for an expert of [2I, D] and [D, I] weights (bf16).
+
+    Gate/up: 4 gate and 4 up rows a program over runs of up to 2048 columns on 2 warps, the
+    small-row kernel's fastest shape for a dense w13 with its gate epilogue at one row
+    (small_linear.tiling); Qwen3-MoE's one token: 8 x 192 programs of 32 KB. Down: 4 output rows
+    a program, the whole of I in steps of up to 1024 columns (Qwen3-MoE's 768 in one masked step,
+    every pick's load independent of the others'), on 4 warps: 512 programs of 48 KB for one
+    Qwen3-MoE token, 1024 of 224 KB for one Mixtral token. No split of K for the down
+    projection: its programs already outnumber an H100's SMs fourfold at one token.
+    """
+    np2 = triton_next_power_of_2
+    return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=2),
+                down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` without importing triton."""
+    return 1 << (n - 1).bit_length()
+
+
 def block_m(num_slots: int) -> int:
     """Rows per expert block: small for decode (each used expert wastes at most this less one)."""
     return 16 if num_slots <= 1024 else 64
@@ -151,9 +214,50 @@ def _gemm_config(num_slots: int) -> dict:
     return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
+def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """``fused_moe_reference`` for a few tokens: two GEMV launches, no alignment (see the module's docstring).
+
+    Allocates only ``h`` [T * k, I] and the output, never synchronises: CUDA-graph capturable.
+
+    Args:
+      x, w13, w2, topk_weights, topk_ids: as ``fused_moe_reference``; every id in 0..E-1.
+      config: launch shapes as ``gemv_config`` gives them (its default).
+    """
+    num_tokens, k = topk_ids.shape
+    num_experts, inter2, hidden = w13.shape
+    inter = inter2 // 2
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    gate_up_kernel, down_kernel = _kernels()[3:5]
+    cfg = config or gemv_config(hidden, inter)
+    up, down = cfg["gate_up"], cfg["down"]
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).float()
+    h = torch.empty(num_tokens * k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    gate_up_kernel[(num_tokens * k, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
+        I=inter, D=hidden, TOP_K=k, EVEN_K=hidden % up["BLOCK_K"] == 0, **up)
+    down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
+        h, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0),
+        D=hidden, I=inter, TOP_K=k, EVEN_K=inter % down["BLOCK_K"] == 0, **down)
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """``fused_moe_reference`` by the aligned grouped GEMMs (see the module's docstring)."""
+    """``fused_moe_reference`` by the GEMVs for a few tokens, else by the aligned grouped GEMMs
+    (``moe_path``; see the module's docstring)."""
+    if moe_path(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0]) == "gemv":
+        return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_grouped_triton(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_grouped_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                             topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``fused_moe_reference`` by the aligned grouped GEMMs, for any number of tokens (see the module's docstring)."""
     num_tokens, k = topk_ids.shape
     num_experts, inter2, hidden = w13.shape
     inter = inter2 // 2
@@ -183,7 +287,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 @functools.cache
 def _kernels():
-    """(align kernel, grouped GEMM kernel, route kernel), JIT-ed at first use."""
+    """(align kernel, grouped GEMM kernel, route kernel, GEMV gate/up kernel, GEMV down kernel),
+    JIT-ed at first use."""
     global triton, tl, _silu_mul
     import triton
     import triton.language as tl
@@ -300,4 +405,74 @@ def _kernels():
         tl.store(weights_ptr + t * TOP_K + picks, top_w, mask=picks < TOP_K)
         tl.store(ids_ptr + t * TOP_K + picks, top_i, mask=picks < TOP_K)
 
-    return moe_align_kernel, moe_gemm_kernel, moe_route_kernel
+    @triton.jit
+    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, stride_xt, stride_we, stride_wn,
+                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # h[slot, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N of the I outputs of the slot's expert.
+        slot = tl.program_id(0)
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        token = (slot // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # The last program's spare outputs re-read row I - 1 instead of masking: the weight
+        # loads, the whole cost, stay unmasked along N.
+        gate_rows = w13_ptr + expert * stride_we + tl.minimum(cols, I - 1).to(tl.int64)[:, None] * stride_wn
+        up_rows = gate_rows + I * stride_wn
+        x_row = x_ptr + token * stride_xt
+        ks = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros([BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + ks
+            if EVEN_K:
+                a = tl.load(x_row + k).to(tl.float32)
+                g = tl.load(gate_rows + k[None, :])
+                u = tl.load(up_rows + k[None, :])
+            else:
+                k_ok = k < D
+                a = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                g = tl.load(gate_rows + k[None, :], mask=k_ok[None, :], other=0.0)
+                u = tl.load(up_rows + k[None, :], mask=k_ok[None, :], other=0.0)
+            acc_gate += tl.sum(g.to(tl.float32) * a[None, :], axis=1)
+            acc_up += tl.sum(u.to(tl.float32) * a[None, :], axis=1)
+        dtype = h_ptr.dtype.element_ty
+        # Gate and up rounded as the unfused projection's output is, the gate in fp32, rounded once.
+        h = _silu_mul(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32))
+        tl.store(h_ptr + slot.to(tl.int64) * I + cols, h.to(dtype), mask=cols < I)
+
+    @triton.jit
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_ot,
+                             D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
+        # of the D outputs of one token, the combine in registers.
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_offsets = tl.minimum(cols, D - 1).to(tl.int64)[:, None] * stride_wn
+        ks = tl.arange(0, BLOCK_K)
+        dtype = out_ptr.dtype.element_ty
+        total = tl.zeros([BLOCK_N], tl.float32)
+        # Unrolled over the picks: their expert ids load up front and their weight streams are
+        # independent, so the compiler may put several picks' loads in flight at once.
+        for j in tl.static_range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(ids_ptr + slot).to(tl.int64)
+            rows = w2_ptr + expert * stride_we + row_offsets
+            h_row = h_ptr + slot * I
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + ks
+                if EVEN_K:
+                    a = tl.load(h_row + k).to(tl.float32)
+                    w = tl.load(rows + k[None, :])
+                else:
+                    k_ok = k < I
+                    a = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(rows + k[None, :], mask=k_ok[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            # The reference's roundings: the product, then the weighted product, in x's dtype.
+            weighted = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)
+            total += weighted.to(dtype).to(tl.float32)
+        tl.store(out_ptr + token * stride_ot + cols, total.to(dtype), mask=cols < D)
+
+    return moe_align_kernel, moe_gemm_kernel, moe_route_kernel, moe_gemv_gate_up_kernel, moe_gemv_down_kernel

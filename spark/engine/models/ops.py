@@ -8,7 +8,8 @@ norm, projections of 33-64 rows in the small-row kernel (maybe split over K), an
 for a one-row step the whole dense block in four small-row launches. ``CpuOps`` is
 the CPU's path: the references, but a decode step's attention in one batched call.
 An MoE layer's experts (``moe``) run the loop-over-experts reference on the CPU and
-the fused, graph-capturable grouped GEMMs of ``kernels/fused_moe.py`` on the GPU.
+the fused, graph-capturable kernels of ``kernels/fused_moe.py`` on the GPU (GEMVs for a few
+tokens, grouped GEMMs for more).
 
 The ops are plain functions bound on the class, so that a call costs what the old
 ``if x.is_cuda`` branch did: no wrapper frame on the hot path. Kernels are reached

@@ -6,7 +6,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from spark.engine.kernels import fused_moe as fm  # noqa: E402
-from tests.engine.kernels.conftest import dot_of_values  # noqa: E402
+from tests.engine.kernels.conftest import assert_bf16_nearly_exact, dot_of_values  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -101,14 +101,16 @@ SHAPES = [(1, 8, 2, 64, 32, None), (5, 8, 4, 96, 48, [0, 3, 5]), (17, 4, 2, 64, 
 
 @pytest.mark.parametrize("tokens, experts, k, hidden, inter, used", SHAPES)
 def test_triton_matches_reference_fp32(tokens, experts, k, hidden, inter, used):
+    # The grouped GEMMs called directly: at 1 token the dispatch would take the GEMVs.
     x, w13, w2, weights, ids = make_moe(tokens, experts, k, hidden, inter, used=used, seed=tokens)
-    out = fm.fused_moe_triton(x, w13, w2, weights, ids)
+    out = fm.fused_moe_grouped_triton(x, w13, w2, weights, ids)
     assert out.shape == x.shape and out.dtype == x.dtype
     torch.testing.assert_close(out, fm.fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_triton_bf16():
     x, w13, w2, weights, ids = make_moe(6, 8, 2, 64, 32, torch.bfloat16, seed=3)
+    assert fm.moe_path(6, 2, 8) == "grouped"
     out, ref = fm.fused_moe_triton(x, w13, w2, weights, ids), fm.fused_moe_reference(x, w13, w2, weights, ids)
     # The reference rounds gate/up to bf16 before the silu; the kernel keeps them in fp32.
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
@@ -131,3 +133,78 @@ def test_route_of_a_nan_row_stays_inside_the_experts():
     weights, ids = fm.route_triton(logits, 2, True)
     assert ((ids >= 0) & (ids < 8)).all()
     assert torch.equal(ids[[0, 2]].long(), fm.route(logits[[0, 2]], 2, True)[1])
+
+
+# Both families' expert shapes scaled down (experts, top-k, D, I): Qwen3-MoE's many experts, top-8
+# and an I of 3 x 2^n (768 = 3 x 256); Mixtral's 8 experts, top-2 and a wide I (14336 = 7 x 2^11),
+# its D not a power of 2 here so that the gate/up's one K step is masked.
+QWEN3_MOE_SMALL = (32, 8, 128, 96)
+MIXTRAL_SMALL = (8, 2, 192, 448)
+# Small blocks: the K loops take several steps (gate/up 128 / 32, 192 / 64), the down's last one
+# ragged (96 / 64, 448 / 128), and a last column block partial (the gate/up's 96 outputs in blocks
+# of 64, the down's 192 in blocks of 128).
+SMALL_BLOCKS = dict(gate_up=dict(BLOCK_N=64, BLOCK_K=32, num_warps=2),
+                    down=dict(BLOCK_N=64, BLOCK_K=64, num_warps=4))
+SMALL_BLOCKS_MIXTRAL = dict(gate_up=dict(BLOCK_N=64, BLOCK_K=64, num_warps=2),
+                            down=dict(BLOCK_N=128, BLOCK_K=128, num_warps=4))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("shape", [QWEN3_MOE_SMALL, MIXTRAL_SMALL], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_gemv_matches_reference_fp32(tokens, shape, small_blocks):
+    experts, k, hidden, inter = shape
+    config = (SMALL_BLOCKS if shape == QWEN3_MOE_SMALL else SMALL_BLOCKS_MIXTRAL) if small_blocks else None
+    x, w13, w2, weights, ids = make_moe(tokens, experts, k, hidden, inter, seed=tokens)
+    out = fm.fused_moe_gemv_triton(x, w13, w2, weights, ids.to(torch.int32), config)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, fm.fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("shape", [QWEN3_MOE_SMALL, MIXTRAL_SMALL], ids=["qwen3_moe", "mixtral"])
+def test_gemv_bf16_rounds_as_the_reference(tokens, shape):
+    # Gate and up rounded before the SwiGLU, each pick's product before its weight, as the
+    # reference: only the order of fp32 sums differs.
+    experts, k, hidden, inter = shape
+    x, w13, w2, weights, ids = make_moe(tokens, experts, k, hidden, inter, torch.bfloat16, seed=tokens)
+    assert_bf16_nearly_exact(fm.fused_moe_gemv_triton(x, w13, w2, weights, ids),
+                             fm.fused_moe_reference(x, w13, w2, weights, ids), min_exact=0.98)
+
+
+def test_gemv_repeated_expert_within_a_token():
+    # A token may pick one expert twice (the reference allows it): both picks count.
+    x, w13, w2, weights, ids = make_moe(2, 8, 4, 64, 32, used=[5], seed=9)
+    torch.testing.assert_close(fm.fused_moe_gemv_triton(x, w13, w2, weights, ids),
+                               fm.fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_token_does_not_depend_on_its_batch():
+    # One program per token and output block, the picks summed in one order: a token's bits are
+    # the same alone and in a batch (batch-invariant within the GEMV path).
+    x, w13, w2, weights, ids = make_moe(4, *QWEN3_MOE_SMALL, torch.bfloat16, seed=4)
+    batch = fm.fused_moe_gemv_triton(x, w13, w2, weights, ids)
+    for t in range(4):
+        alone = fm.fused_moe_gemv_triton(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1])
+        assert torch.equal(alone, batch[t:t + 1])
+
+
+@pytest.mark.parametrize("tokens, k, experts, path", [
+    (1, 8, 128, "gemv"), (4, 8, 128, "gemv"), (8, 8, 128, "grouped"), (64, 8, 128, "grouped"),  # Qwen3-MoE
+    (1, 2, 8, "gemv"), (2, 2, 8, "gemv"), (3, 2, 8, "grouped"), (64, 2, 8, "grouped"),  # Mixtral
+])
+def test_moe_path_by_the_shapes(tokens, k, experts, path):
+    assert fm.moe_path(tokens, k, experts) == path
+
+
+@pytest.mark.parametrize("tokens, path", [(1, "gemv"), (2, "gemv"), (8, "grouped")])
+def test_fused_moe_triton_dispatches_by_token_count(monkeypatch, tokens, path):
+    taken = []
+    for name in ("gemv", "grouped"):
+        real = getattr(fm, f"fused_moe_{name}_triton")
+        monkeypatch.setattr(fm, f"fused_moe_{name}_triton",
+                            lambda *a, name=name, real=real: taken.append(name) or real(*a))
+    x, w13, w2, weights, ids = make_moe(tokens, *MIXTRAL_SMALL[:2], 64, 32, seed=tokens)
+    out = fm.fused_moe_triton(x, w13, w2, weights, ids)
+    assert taken == [path]
+    torch.testing.assert_close(out, fm.fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
