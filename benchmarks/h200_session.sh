@@ -47,6 +47,10 @@ for name in "$@"; do
             --spark-args="--tbt-deadline-ms 55" ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
+        moe-short) step "$name" 300 python moe_decode.py --out "$OUT/moe.json" ;;
+        moe-gemv) step "$name" 150 python moe_gemv_bench.py --out "$OUT/moe-gemv.json" ;;
+        moe-gemv-sweep) step "$name" 240 python moe_gemv_bench.py --sweep --out "$OUT/moe-gemv-sweep.json" ;;
+        step-cost) step "$name" 120 python step_cost.py --out "$OUT/step-cost.json" ;;
         *) echo "unknown step $name" ;;
     esac
 done
