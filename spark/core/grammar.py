@@ -16,6 +16,10 @@ from typing import Protocol
 
 import attrs
 
+# A mask as any buffer of packed bits, bit i of its little-endian bytes allowing token i: bytes, or
+# a row of xgrammar's int32 bitmask handed on without a copy (``memoryview(mask)`` reads either).
+PackedMask = object
+
 
 @attrs.frozen
 class GrammarSpec:
@@ -38,8 +42,9 @@ class Grammars(Protocol):
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher of ``spec`` (compiled once per spec). Raises ValueError for a bad grammar."""
 
-    def masks(self, matchers: list[Matcher]) -> list[bytes]:
-        """Each matcher's ``mask()``, filled in one call (in parallel where the backend can)."""
+    def masks(self, matchers: list[Matcher]) -> list[PackedMask]:
+        """Each matcher's ``mask()``, filled in one call (in parallel where the backend can): the same
+        bits, as any buffer (xgrammar's: the rows of one int32 array, with no bytes object per row)."""
 
     def accept(self, matchers: list[Matcher], token_ids: list[int]) -> list[bool]:
         """Each matcher's ``accept`` of its token, in one call."""

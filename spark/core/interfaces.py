@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Protocol, Sequence
 
+from spark.core.grammar import PackedMask
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import StepPlan, TokenOutput
 
@@ -73,7 +74,7 @@ class StepEngine(LoadedEngine, Protocol):
 
     def collect(self) -> list[TokenOutput]: ...
 
-    def sample_late(self, masks: Mapping[Hashable, bytes]) -> None:
+    def sample_late(self, masks: Mapping[Hashable, PackedMask]) -> None:
         """Sample the newest launched step, whose ``mask_later`` chunks get their masks here (a row
         without one samples unconstrained). Nothing is launched or collected before it."""
 

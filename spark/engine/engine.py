@@ -33,8 +33,8 @@ from spark.engine.parallel import SINGLE, TensorParallel
 from spark.core.interfaces import register
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, PromptLogprob, StepPlan, TokenOutput
-from spark.engine.sampler import (Prepared, SampleOutput, Sampler, SamplingBatch, raw_logprobs, unpack_token_masks,
-                                  verified)
+from spark.engine.sampler import (Prepared, SampleOutput, Sampler, SamplingBatch, mask_bits, raw_logprobs,
+                                  unpack_token_masks, verified)
 from spark.engine.sampling import SamplingParams
 from spark.engine.sequence import Sequence, think_tags
 from spark.engine.tokenizer import Tokenizer
@@ -321,8 +321,8 @@ class Engine:
                 raise ValueError(f"the draft of {chunk.seq_id!r} must follow its last token, known on the host")
             if len(chunk.block_table) * page_size < end:
                 raise ValueError(f"block table of {chunk.seq_id!r} holds {len(chunk.block_table)} pages, needs {end} tokens")
-            if chunk.token_mask is not None and len(chunk.token_mask) * 8 < self.config.vocab_size:
-                raise ValueError(f"a token mask of {len(chunk.token_mask) * 8} bits for a vocabulary of "
+            if chunk.token_mask is not None and mask_bits(chunk.token_mask) < self.config.vocab_size:
+                raise ValueError(f"a token mask of {mask_bits(chunk.token_mask)} bits for a vocabulary of "
                                  f"{self.config.vocab_size}")
             known = s.num_tokens
             for pos in range(start, end):
@@ -441,8 +441,8 @@ class Engine:
         try:
             late = {seq_id: mask for seq_id, mask in masks.items() if seq_id in step.late}
             for mask in late.values():
-                if len(mask) * 8 < self.config.vocab_size:
-                    raise ValueError(f"a token mask of {len(mask) * 8} bits for a vocabulary of {self.config.vocab_size}")
+                if mask_bits(mask) < self.config.vocab_size:
+                    raise ValueError(f"a token mask of {mask_bits(mask)} bits for a vocabulary of {self.config.vocab_size}")
             self._sample(step, {**step.masks, **late})
         except BaseException:
             self._inflight.remove(step)

@@ -2,7 +2,8 @@
 
 ``XGrammars`` is the ``spark.core.grammar.Grammars`` the core uses: a ``GrammarSpec`` compiles once
 (xgrammar's compiler caches too) and each request gets its own ``GrammarMatcher``, whose bitmask
-(int32 words, token i at bit i % 32 of word i // 32) goes to the engine as bytes. ``check`` compiles
+(int32 words, token i at bit i % 32 of word i // 32) goes to the engine as is: ``masks`` fills a
+step's rows into one int32 array and hands out its rows (no bytes per row). ``check`` compiles
 a spec without a tokenizer, so that the HTTP layer refuses a bad one with a 400 before it queues.
 xgrammar is imported at first use: a server that never constrains never pays its import.
 """
@@ -84,11 +85,11 @@ class XGrammars:
         self._stop = list(stop_token_ids) or list(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._lock = threading.Lock()
         self._compiler = None
-        self._batch = None  # xgrammar's BatchGrammarMatcher, and the bitmask rows it fills, at first use
-        self._bitmask = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher, at first use
         allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)  # as long as xgrammar's int32 words
         allowed[self._stop] = True
-        self._stop_mask = np.packbits(allowed, bitorder="little").tobytes()
+        self._stop_words = np.packbits(allowed, bitorder="little").view(np.int32)
+        self._stop_mask = self._stop_words.tobytes()
 
     def _compiler_now(self):
         with self._lock:
@@ -128,19 +129,19 @@ class XGrammars:
                 out[row] = ok
         return out
 
-    def masks(self, matchers: list[XMatcher]) -> list[bytes]:
-        """The matchers' masks in one call (xgrammar's batch fill, on ``fill_threads`` threads)."""
-        xgr = _xgr()
-        live = [row for row, m in enumerate(matchers) if not m._matcher.is_terminated()]
-        out = [self._stop_mask] * len(matchers)
+    def masks(self, matchers: list[XMatcher]) -> list[np.ndarray]:
+        """The matchers' masks in one call (xgrammar's batch fill, on ``fill_threads`` threads): the rows
+        of one int32 array, each row at its matcher's position (a finished grammar's: the stop tokens).
+        The array is new on each call, so that the rows stay valid while the engine reads them."""
+        words = np.empty((len(matchers), len(self._stop_words)), dtype=np.int32)
+        live, done = [], []
+        for row, m in enumerate(matchers):
+            (done if m._matcher.is_terminated() else live).append(row)
+        if done:
+            words[done] = self._stop_words
         if live:
             with self._lock:
                 if self._batch is None:
-                    self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
-                if self._bitmask is None or self._bitmask.shape[0] < len(live):
-                    self._bitmask = xgr.allocate_token_bitmask(max(len(live), 64), self.vocab_size)
-                self._batch.batch_fill_next_token_bitmask([matchers[row]._matcher for row in live], self._bitmask)
-                words = self._bitmask.numpy()
-                for i, row in enumerate(live):
-                    out[row] = words[i].tobytes()
-        return out
+                    self._batch = _xgr().BatchGrammarMatcher(self._fill_threads)
+                self._batch.batch_fill_next_token_bitmask([matchers[row]._matcher for row in live], words, live)
+        return list(words)

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Hashable, Mapping, Sequence
 
+from spark.core.grammar import PackedMask
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import StepPlan, TokenOutput
 from spark.engine import parallel
@@ -131,7 +132,7 @@ class Leader:
         self.launch(plan)
         return self.collect()
 
-    def sample_late(self, masks: Mapping[Hashable, bytes]) -> None:
+    def sample_late(self, masks: Mapping[Hashable, PackedMask]) -> None:
         self._tell("sample_late", dict(masks))
         self.engine.sample_late(masks)
 

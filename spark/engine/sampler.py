@@ -462,10 +462,16 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (bits.float() + 0.5) * (1.0 / (1 << 23))
 
 
-def unpack_token_masks(masks: Sequence[bytes | None], vocab_size: int, device: torch.device) -> torch.Tensor:
+def mask_bits(mask) -> int:
+    """The tokens a packed mask covers: 8 per byte of its buffer (bytes, or a row of xgrammar's int32 words)."""
+    return memoryview(mask).nbytes * 8
+
+
+def unpack_token_masks(masks: Sequence[object | None], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[rows, V] bool from each row's packed mask (bit i of the little-endian bytes: token i allowed;
-    xgrammar's int32 bitmask read as bytes); a row without one allows every token. The packed bytes
-    cross to the device and are unpacked there: an eighth of the bool rows' size."""
+    bytes, or a row of xgrammar's int32 bitmask, which is the same bytes); a row without one allows
+    every token. The packed bits cross to the device and are unpacked there: an eighth of the bool
+    rows' size."""
     import numpy as np
 
     width = -(-vocab_size // 8)
@@ -477,8 +483,8 @@ def unpack_token_masks(masks: Sequence[bytes | None], vocab_size: int, device: t
     for row, mask in enumerate(masks):
         if mask is None:
             packed[row] = 0xFF
-        else:
-            packed[row] = np.frombuffer(mask, dtype=np.uint8, count=width)  # (sized by the engine's checks)
+        else:  # (a buffer: no copy until this row's; sized by the engine's checks)
+            packed[row] = np.frombuffer(mask, dtype=np.uint8, count=width)
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
     words = host.to(device, non_blocking=True)
     return ((words.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, :vocab_size].bool()
