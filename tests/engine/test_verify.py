@@ -16,6 +16,7 @@ import torch
 
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan
+from spark.core.speculation import SpecConfig
 from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.cuda_graphs import DecodeGraphs
 from spark.engine.engine import Engine
@@ -25,6 +26,7 @@ from spark.engine.models.runtime import Runtime, build_model
 from spark.engine.sampling import SamplingParams
 from spark.engine.verify import decode_rows
 from spark.engine.weights import iter_weights, resolve_model
+from spark.serve_config import ServeConfig
 
 PAGE = 4
 OPS = [TorchOps, CpuOps, TritonOps]
@@ -45,6 +47,17 @@ def test_decode_rows_spread_each_chunk_over_rows_of_growing_context():
     assert decode_rows(chunks[:1], [4], [[3]], limit=6) is None  # a decode step: rows already
     prefill = [Chunk("a", 2, (3,)), chunks[1]]
     assert decode_rows(prefill, [5, 7], [[3], [5, 6]], limit=6) is None  # a prefill chunk is no row
+
+
+def test_verify_graphs_are_planned_only_for_an_engine_that_speculates():
+    assert ServeConfig().verify_graph_rows() == 0
+    assert ServeConfig(speculative="ngram").verify_graph_rows() == SpecConfig().verify_rows == 8 * (1 + 4)
+    plain = DecodeGraphs(None, None, max_batch_size=8, max_pages_per_seq=4, device="cpu")
+    assert plain.verify_buckets == [] and plain.progress == (0, 4)  # buckets 1, 2, 4, 8: as before
+    graphs = DecodeGraphs(None, None, max_batch_size=8, max_pages_per_seq=4, device="cpu", verify_rows=40)
+    assert graphs.verify_buckets == [2, 4, 8, 16, 24, 32, 40] and graphs.progress == (0, 11)
+    assert graphs.ring.shape[1] == graphs.input_ids.shape[0] == 40  # every verify row has its buffers' row
+    assert graphs._to_capture[:4] == [(8, False), (4, False), (2, False), (1, False)]  # decode graphs first
 
 
 def _meta(chunks, decode_only=False, writes_first=False):
