@@ -11,8 +11,9 @@ its draft needs the last token on the host), each the median of ``--steps`` step
 A verify step of up to ``--verify-rows`` tokens in all replays a verify graph (its chunks as
 one-token decode rows, ``spark/engine/verify.py``); a larger one, or any without graphs (the CPU),
 runs eagerly as varlen chunks. Each entry's ``path`` says which; ``--compare-eager`` also times the
-eager varlen step of every entry (``eager_verify_ms``), the path verify steps took before the graphs. With each draft token accepted with probability a (independently, stopping at the first
-miss), a verify step emits E(k) = (1 - a^(k+1)) / (1 - a) tokens a sequence, so speculation runs at
+eager varlen step of every entry (``eager_verify_ms``), the path verify steps took before the graphs.
+With each draft token accepted with probability a (independently, stopping at the first miss), a
+verify step emits E(k) = (1 - a^(k+1)) / (1 - a) tokens a sequence, so speculation runs at
 E(k) * t_decode / t_verify(k) of the plain rate. Reported for a = 0.8 (the issue's 4 of 5) and for
 the acceptance the CPU code-edit workload measured (``--cpu-acceptance``, 0.77). The n-gram draft's
 own host cost (a dictionary walk per sequence, microseconds) is not in these steps.
