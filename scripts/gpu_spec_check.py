@@ -4,10 +4,12 @@
 
 The CUDA engine (Triton kernels), greedy, 8 prompts that make the model repeat (token ids of a
 repeated text when the model has no tokenizer), batch 8: without speculation and with it, eager
-and then with decode graphs captured (verify steps run eagerly; plain decodes replay graphs).
+(verify steps as varlen chunks, then as one-token decode rows: ``spark/engine/verify.py``) and then
+with graphs captured (plain decodes replay decode graphs, verify steps verify graphs).
 Reports per case the tokens that agree with eager decoding (bf16 is not batch-invariant: a verify
 chunk's rows may round otherwise than one-row decodes, so a near-tie may flip), drafted and
-accepted tokens, tokens per speculating step, seconds, and the KV pages left in use (0).
+accepted tokens, tokens per speculating step, seconds, the KV pages left in use (0), and for the
+graph cases the verify steps that replayed a verify graph.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from spark.core.speculation import SpecConfig
 from spark.engine.engine import Engine
 from spark.engine.offline import drive
 from spark.engine.sampling import SamplingParams
+from spark.engine.verify import MAX_ROWS
 
 TEXT = "The scheduler plans each step, the engine computes it, and the streamer sends the text back. "
 
@@ -43,6 +46,19 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, spec: SpecCon
     return {"out": out, "seconds": round(seconds, 3), "drafted": drafted, "accepted": accepted,
             "tokens_per_step": round(emitted / steps, 3) if steps else None,
             "pages_used_after": core.scheduler.allocator.num_used}
+
+
+def count_verify_replays(graphs) -> list[int]:
+    """A one-item list that counts the verify graphs ``graphs`` replays from now on."""
+    count, run = [0], graphs.run
+
+    def counted(*args, verify=False, **kwargs):
+        out = run(*args, verify=verify, **kwargs)
+        count[0] += verify and out is not None
+        return out
+
+    graphs.run = counted
+    return count
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -75,11 +91,15 @@ def main() -> int:
     run(engine, prompts[:2], 8, spec)  # warm-up: Triton's compiles
     base = run(engine, prompts, args.max_tokens, None)
     cases = {"eager_plain": base, "eager_spec": run(engine, prompts, args.max_tokens, spec)}
-    if engine.enable_cuda_graphs(16):
+    engine.verify_rows = min(spec.verify_rows, MAX_ROWS)  # verify steps as decode rows, eagerly (no graphs yet)
+    cases["eager_rows_spec"] = run(engine, prompts, args.max_tokens, spec)
+    if engine.enable_cuda_graphs(16, spec.verify_rows):
         while engine.capture_next_graph():
             pass
+        replays = count_verify_replays(engine.graphs)
         cases["graphs_plain"] = run(engine, prompts, args.max_tokens, None)
         cases["graphs_spec"] = run(engine, prompts, args.max_tokens, spec)
+        cases["graphs_spec"]["verify_replays"] = replays[0]
     for name, case in cases.items():
         report[name] = {**{k: v for k, v in case.items() if k != "out"}, "agreement": agreement(base["out"], case["out"])}
         print(name, json.dumps(report[name]), file=sys.stderr)
@@ -87,6 +107,7 @@ def main() -> int:
         json.dump(report, f, indent=1)
     print(json.dumps(report))
     ok = all(c["pages_used_after"] == 0 for c in cases.values())
+    ok = ok and cases.get("graphs_spec", {}).get("verify_replays", 1) > 0  # verify steps did take the graphs
     return 0 if ok else 1
 
 

@@ -150,6 +150,11 @@ class ServeConfig:
         return SpecConfig(method=self.speculative, num_tokens=self.spec_tokens, ngram_max=self.spec_ngram,
                           max_batch=self.spec_max_batch)
 
+    def verify_graph_rows(self) -> int:
+        """Rows of the largest verify step the engine captures a graph for: 0 unless requests speculate."""
+        spec = self.spec_config()
+        return 0 if spec is None else spec.verify_rows
+
     def resolved_cpu_threads(self) -> int:
         """``cpu_threads``, or to start with (``cpu_threads`` None: the engine then follows the idle cores,
         ``device.IdleCoreThreads``) the cores this process may run on less one, at least 1."""

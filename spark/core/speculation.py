@@ -38,6 +38,12 @@ class SpecConfig:
     ngram_min: int = attrs.field(default=2, validator=attrs.validators.ge(1))  # the shortest (capped to ngram_max)
     max_batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))  # off with more running than this
 
+    @property
+    def verify_rows(self) -> int:
+        """Tokens of the largest verify step: every speculating sequence's token and drafts (the
+        engine's verify graphs are sized by it)."""
+        return self.max_batch * (1 + self.num_tokens)
+
 
 @attrs.define
 class SpecCounts:

@@ -33,6 +33,9 @@ class AttentionMetadata:
     decode_only: bool  # every sequence computes exactly one token
     max_query_len: int = 1  # the longest query of the batch (sizes the prefill kernel's grid)
     num_single: int = 0  # leading sequences with one query token (the decodes of a mixed step)
+    # Decode rows that read each other's K/V (a verify chunk flattened into rows, ``verify.py``):
+    # every row's K/V is written before any row attends, never in the fused one-launch decode.
+    writes_first: bool = False
 
 
 def leading_single_rows(query_start_loc: list[int]) -> int:
@@ -82,11 +85,13 @@ def rope_attend_triton(
 
     Decode at small batch is bound by kernel launches: a decode-only step rotates,
     writes and attends in one launch; any other step rotates and writes in one, then
-    attention only reads the cache.
+    attention only reads the cache. So do decode rows that read each other's K/V
+    (``meta.writes_first``): in the one launch a row's program could read a key that
+    another row's program has not written yet.
     """
     positions, inv_freq = positions_inv_freq
     (k_pages, k_scale), (v_pages, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
-    if meta.decode_only:
+    if meta.decode_only and not meta.writes_first:
         return pa.paged_decode_attention_rope_triton(
             q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
             k_scale=k_scale, v_scale=v_scale,

@@ -15,6 +15,13 @@ graph's first kernel unpacks it, ``kernels/decode_inputs.py``) and the replay. T
 graph ends with the greedy tokens of every row in a ring of static rows: a batch
 of plain greedy rows needs no sampler launch, and the next step reads those tokens
 on the device from the ring.
+
+An engine that speculates also gets verify graphs (``verify_rows``): a step of decode
+and verify chunks, flattened into one-token rows (``verify.py``), replays the bucket of
+its row count. Their rows write every K/V before any attends, since rows of one
+sequence read each other's; otherwise they are decode graphs, over the same buffers,
+memory pool and ring, so a verify row's greedy token (which the greedy acceptance
+compares with the draft) comes from the ring like any other.
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 class DecodeGraphs:
     """Static buffers and one graph per batch bucket for ``model``'s decode step."""
 
-    def __init__(self, model, kv_layers, *, max_batch_size: int, max_pages_per_seq: int, device):
+    def __init__(self, model, kv_layers, *, max_batch_size: int, max_pages_per_seq: int, device,
+                 verify_rows: int = 0):
         self.model = model
         self.kv_layers = kv_layers
         self.buckets = [b for b in BUCKETS if b < max_batch_size] + [max_batch_size]
         self.max_batch = self.buckets[-1]
-        n, w = self.max_batch, max_pages_per_seq
+        # A verify step has 2 rows at least (a token and a draft); none below 2: no verify graphs.
+        self.verify_buckets = [b for b in BUCKETS if 2 <= b < verify_rows] + [verify_rows] if verify_rows >= 2 else []
+        n, w = max(self.max_batch, verify_rows), max_pages_per_seq
         self.device = torch.device(device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -60,8 +70,11 @@ class DecodeGraphs:
         self._ring_index = torch.zeros(n, dtype=torch.int64, device=device)  # where each row's token goes
         self._next_ring_row = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self._to_capture = sorted(self.buckets, reverse=True)  # largest first: later ones reuse its pool
+        # (rows, verify) largest first, later ones reuse its pool; decode graphs first, which every step uses.
+        self._to_capture = ([(b, False) for b in sorted(self.buckets, reverse=True)]
+                            + [(b, True) for b in sorted(self.verify_buckets, reverse=True)])
 
     @property
     def complete(self) -> bool:
@@ -69,12 +82,12 @@ class DecodeGraphs:
 
     @property
     def progress(self) -> tuple[int, int]:
-        """(buckets captured, buckets planned)."""
-        return len(self.graphs), len(self.buckets)
+        """(buckets captured, buckets planned), verify graphs included."""
+        return len(self.graphs) + len(self.verify_graphs), len(self.buckets) + len(self.verify_buckets)
 
-    def bucket_for(self, batch: int) -> int | None:
-        """The smallest captured bucket that holds ``batch`` rows, or None."""
-        ready = [b for b in self.graphs if b >= batch]
+    def bucket_for(self, batch: int, verify: bool = False) -> int | None:
+        """The smallest captured bucket (of verify graphs, if ``verify``) that holds ``batch`` rows, or None."""
+        ready = [b for b in (self.verify_graphs if verify else self.graphs) if b >= batch]
         return min(ready) if ready else None
 
     def capture_next(self) -> bool:
@@ -83,22 +96,23 @@ class DecodeGraphs:
         Nothing may be in flight: capture writes a ring row."""
         if not self._to_capture:
             return False
-        b = self._to_capture.pop(0)
+        b, verify = self._to_capture.pop(0)
         t0 = time.perf_counter()
         self._stage_padding(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
-                self._forward(b)
+                self._forward(b, verify)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(b)
+            logits = self._forward(b, verify)
         if self._pool is None:
             self._pool = graph.pool()
-        self.graphs[b] = (graph, logits)
-        log.info("captured decode graph for batch %d in %.2fs", b, time.perf_counter() - t0)
+        (self.verify_graphs if verify else self.graphs)[b] = (graph, logits)
+        log.info("captured %s graph for %d rows in %.2fs", "verify" if verify else "decode", b,
+                 time.perf_counter() - t0)
         return True
 
     def capture_all(self) -> None:
@@ -112,7 +126,8 @@ class DecodeGraphs:
         unpack(self.staged, b, self.ring, self.fed, self.input_ids, self.positions, self.slot_mapping,
                self.seq_lens, self.block_tables, self._ring_index)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int, verify: bool = False) -> torch.Tensor:
+        """The captured forward of ``b`` rows: decode rows, or verify rows (K/V written before attending)."""
         self.unpack(b)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b],
@@ -120,6 +135,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b],
             decode_only=True,
+            writes_first=verify,
         )
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_layers, meta)
         logits = self.model.compute_logits(hidden)
@@ -144,10 +160,11 @@ class DecodeGraphs:
         return (ptr - start) // self.ring.element_size()
 
     @torch.inference_mode()
-    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], feeds=()):
+    def run(self, ids, positions, slots, seq_lens, tables: list[list[int]], feeds=(), verify: bool = False):
         """Replay the graph for one decode step of ``len(ids)`` sequences.
 
         Args:
+            verify: the rows are a verify step's (``verify.decode_rows``): replay a verify graph.
             feeds: ``(tokens, rows, picks)``: input ids that launched steps are still
                 sampling, ``tokens[picks]`` (a device tensor, host lists of rows)
                 in place of ``ids[rows]``. Tokens in the ring are read by the graph;
@@ -159,7 +176,7 @@ class DecodeGraphs:
             ``RING_ROWS - 1`` replays more. None when no captured bucket fits.
         """
         batch = len(ids)
-        bucket = self.bucket_for(batch)
+        bucket = self.bucket_for(batch, verify)
         width = max(len(t) for t in tables)
         if bucket is None or width > self.block_tables.shape[1]:
             return None
@@ -194,6 +211,6 @@ class DecodeGraphs:
             n = len(rows)
             self.fed.index_copy_(0, self.staged[at:at + n], tokens.index_select(0, self.staged[at + n:at + 2 * n]))
             at += 2 * n
-        graph, logits = self.graphs[bucket]
+        graph, logits = (self.verify_graphs if verify else self.graphs)[bucket]
         graph.replay()
         return logits[:batch], self.ring[ring_row, :batch]

@@ -41,6 +41,7 @@ from spark.engine.tokenizer import Tokenizer
 from spark.engine.device import (IdleCoreThreads, checked_device, default_device, give_back_freed_heap,
                                  map_large_blocks)
 from spark.engine.transfer import HostCopy, upload
+from spark.engine import verify
 
 log = logging.getLogger("spark.engine")
 
@@ -114,6 +115,9 @@ class Engine:
         )
         self._seqs: dict[Hashable, Sequence] = {}
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+        # Steps of decode and verify chunks of up to this many tokens run as one-token rows, the verify
+        # graphs' shape (``verify.py``); 0: verify chunks run as varlen chunks (no graphs for them).
+        self.verify_rows = 0
         self.threads: IdleCoreThreads | None = None  # torch's CPU threads, when they follow the idle cores
         self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         # Every rank draws a request's seed alike (ranks sample the same tokens: spark/engine/parallel.py).
@@ -377,11 +381,16 @@ class Engine:
         fed = [(launched.token_ids, dst, src) for launched, (dst, src) in feeds.items()]
         decode_only = len(ids) == len(kept)
         tables = [list(c.block_table) for c in kept]
+        flat = None if step.scored else verify.decode_rows(kept, seq_lens, tables, self.verify_rows)
+        if flat is not None:  # a verify step as one-token rows; its logit_rows were every row, in order
+            decode_only, qsl, logit_rows = True, list(range(len(ids) + 1)), None
+            seq_lens, tables = flat.seq_lens, flat.tables
         replayed = None
         if decode_only and self.graphs is not None and not step.scored:
-            replayed = self.graphs.run(ids, positions, slots, seq_lens, tables, fed)
+            replayed = self.graphs.run(ids, positions, slots, seq_lens, tables, fed, verify=flat is not None)
         if replayed is None:
-            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed, logit_rows)
+            logits = self._forward_eager(ids, positions, slots, qsl, seq_lens, tables, decode_only, fed, logit_rows,
+                                         writes_first=flat is not None)
         else:
             logits, greedy = replayed
         for chunk in kept:
@@ -540,9 +549,9 @@ class Engine:
             self._ended.popitem(last=False)
 
     def _forward_eager(self, ids, positions, slots, qsl, seq_lens, tables, decode_only, feeds=(),
-                       logit_rows=None) -> torch.Tensor:
+                       logit_rows=None, writes_first=False) -> torch.Tensor:
         """The forward of any flat batch. Returns logits of each sequence's last row (of every row when
-        decoding), or of ``logit_rows``."""
+        decoding), or of ``logit_rows``. ``writes_first``: decode rows that read each other's K/V."""
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -553,6 +562,7 @@ class Engine:
             decode_only=decode_only,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             num_single=leading_single_rows(qsl),
+            writes_first=writes_first,
         )
         input_ids = upload(ids, torch.int64, dev)
         for tokens, rows, picks in feeds:  # ids that launched steps are still sampling
@@ -570,15 +580,19 @@ class Engine:
         return self.model.compute_logits(hidden[logit_rows])
 
     # -- CUDA graphs ------------------------------------------------------
-    def enable_cuda_graphs(self, max_batch_size: int) -> bool:
-        """Prepare decode graphs up to ``max_batch_size`` (captured by ``capture_next_graph``). GPU only."""
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
+        """Prepare decode graphs up to ``max_batch_size`` (captured by ``capture_next_graph``), and verify
+        graphs up to ``verify_rows`` rows (at most ``verify.MAX_ROWS``) when the engine speculates
+        (``SpecConfig.verify_rows``; 0: none). GPU only."""
         if self.device.type != "cuda":
             return False
         from spark.engine.cuda_graphs import DecodeGraphs
 
+        self.verify_rows = min(verify_rows, verify.MAX_ROWS)
         self.graphs = DecodeGraphs(
             self.model, self.kv_cache.layers, max_batch_size=max_batch_size,
             max_pages_per_seq=-(-self.max_model_len // self.page_size), device=self.device,
+            verify_rows=self.verify_rows,
         )
         return True
 
