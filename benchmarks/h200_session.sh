@@ -34,7 +34,7 @@ for name in "$@"; do
     case $name in
         serving-cold) step "$name" 360 python serving.py --cold --out "$OUT/serving-cold.json" ;;
         startup) step "$name" 120 python startup.py --runs 1 --out "$OUT/startup.json" ;;
-        spec-verify) step "$name" 170 python spec_verify.py --out "$OUT/spec-verify.json" ;;
+        spec-verify) step "$name" 240 python spec_verify.py --ks 1,2,3,4,6,8 --compare-eager --out "$OUT/spec-verify.json" ;;
         spec-check) step "$name" 90 python ../scripts/gpu_spec_check.py --model dummy:llama-3.1-8b \
             --out "$OUT/spec-check.json" ;;
         poisson) poisson "$name" 560 ;;
