@@ -107,7 +107,9 @@ def main() -> int:
         json.dump(report, f, indent=1)
     print(json.dumps(report))
     ok = all(c["pages_used_after"] == 0 for c in cases.values())
-    ok = ok and cases.get("graphs_spec", {}).get("verify_replays", 1) > 0  # verify steps did take the graphs
+    spec = cases.get("graphs_spec", {})
+    # verify steps took the graphs, when there were any: random weights may draft nothing
+    ok = ok and (not spec.get("drafted") or spec.get("verify_replays", 1) > 0)
     return 0 if ok else 1
 
 
