@@ -51,11 +51,13 @@ class EngineProcess:
         self.page_size = facts.page_size
 
     @classmethod
-    def start(cls, model: str | None, *, graphs_max_batch: int = 0, cpu_threads: int | None = None,
-              warm=None, world_size: int = 1, **load_kwargs) -> "EngineProcess":
+    def start(cls, model: str | None, *, graphs_max_batch: int = 0, graphs_max_tokens: int | None = None,
+              cpu_threads: int | None = None, warm=None, world_size: int = 1, **load_kwargs) -> "EngineProcess":
         """Spawn the process, load ``model`` there (``Engine.load`` kwargs) and wait until it is ready.
 
         Args:
+          graphs_max_batch: the CUDA graphs' largest decode batch (0: no graphs).
+          graphs_max_tokens: their largest step of any kind (``Engine.enable_cuda_graphs``).
           cpu_threads: torch's intra-op threads there, when it runs on the CPU; None: torch's default.
           warm: the ``warmup.WarmupShape`` to warm the engine for before it reports ready (None: not warmed).
           world_size: tensor-parallel ranks; the others are spawned here unless torchrun started them.
@@ -81,7 +83,7 @@ class EngineProcess:
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
         process = ctx.Process(target=serve, args=(child, model, load_kwargs, graphs_max_batch, cpu_threads, warm,
-                                                  rank_env), daemon=True)
+                                                  rank_env, graphs_max_tokens), daemon=True)
         process.start()
         child.close()
         try:
@@ -164,7 +166,8 @@ def send_loop(conn, sends: queue.SimpleQueue) -> None:
 # -- the child --------------------------------------------------------------------------------------
 
 
-def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=None, rank_env=None) -> None:
+def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=None, rank_env=None,
+          graphs_max_tokens=None) -> None:
     """The engine process: load, report, then serve sessions until told to stop.
 
     ``rank_env``: the tensor-parallel rendezvous (``MASTER_ADDR``, ``MASTER_PORT``) this rank 0 joins."""
@@ -187,7 +190,7 @@ def serve(conn, model, load_kwargs, graphs_max_batch, cpu_threads=None, warm=Non
         return
     conn.send(EngineFacts(engine.vocab_size, engine.max_model_len, engine.num_pages, engine.page_size))
     gc_tuning.settle()  # this process only schedules and steps: no collector pause in a launch
-    capture = graphs_max_batch > 0 and engine.enable_cuda_graphs(graphs_max_batch)
+    capture = graphs_max_batch > 0 and engine.enable_cuda_graphs(graphs_max_batch, graphs_max_tokens)
     try:
         while True:
             try:

@@ -135,9 +135,9 @@ class Leader:
         self._tell("sample_late", dict(masks))
         self.engine.sample_late(masks)
 
-    def enable_cuda_graphs(self, max_batch_size: int) -> bool:
-        self._tell("enable_cuda_graphs", max_batch_size)
-        return self.engine.enable_cuda_graphs(max_batch_size)
+    def enable_cuda_graphs(self, max_batch_size: int, max_step_tokens: int | None = None) -> bool:
+        self._tell("enable_cuda_graphs", max_batch_size, max_step_tokens)
+        return self.engine.enable_cuda_graphs(max_batch_size, max_step_tokens)
 
     def capture_next_graph(self) -> bool:
         self._tell("capture_next_graph")  # the followers capture beside it: warm-up runs run the collectives
