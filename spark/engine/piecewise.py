@@ -104,8 +104,8 @@ class PiecewiseGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         replays = []
-        # capture_begin/end rather than ``torch.cuda.graph``: that one collects garbage and empties
-        # the cache at every capture, seconds over the hundreds of segments of all buckets.
+        # capture_begin/end rather than ``torch.cuda.graph``, which synchronizes and empties the
+        # allocator's cache at every capture: hundreds of times over all buckets' segments.
         with torch.cuda.stream(stream), torch.inference_mode():
             for segment in segments:
                 segment()  # warm-up: Triton compiles and autotunes outside capture
