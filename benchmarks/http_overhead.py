@@ -54,7 +54,7 @@ def timed_engine(step_s: float, max_model_len: int, num_pages: int):
     vocab = tokenizer.vocab_size
 
     class TimedEngine(EngineDouble):
-        def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
+        def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
             return False
 
         def step(self, plan):

@@ -1,13 +1,14 @@
 """What a serving step costs by its shape: decode rows alone (CUDA graph) against decode rows plus a
-prompt chunk (a mixed step, eager), host time and whole time (issue 24's SLAI budgets).
+prompt chunk (a mixed step: piecewise graphs, or eager), host time and whole time (issue 24's SLAI budgets).
 
     python benchmarks/step_cost.py [--model dummy:llama-3.1-8b] [--rows 32,128,256] [--prefill 0,16,128,512,2048]
-                                   [--context 512] [--steps 12] [--out FILE]
+                                   [--context 512] [--steps 12] [--no-piecewise] [--out FILE]
 
 Per decode batch: ``--rows`` sequences prefilled to ``--context`` tokens, then synchronous steps
 (``engine.step``: launch, sample, read back) of those rows decoding, alone or beside a new
 sequence's first ``P`` prompt tokens; and the same decode rows with the graphs switched off
-(eager). Each figure is the median of ``--steps`` steps after two warm-up steps: ``ms`` the whole
+(eager). Each mixed step is timed twice: through the piecewise graphs (``piecewise`` true, the
+default engine's path on a GPU) and eager (``--no-piecewise``: eager only). Each figure is the median of ``--steps`` steps after two warm-up steps: ``ms`` the whole
 step, ``launch_ms`` the host's part until ``launch`` returned (the device still running).
 A mixed step whose ``ms`` far exceeds the graph decode plus the prompt's compute is the host's
 cost of an eager step, which SLAI pays on every step that carries prefill.
@@ -65,6 +66,7 @@ def main() -> int:
     ap.add_argument("--prefill", default="0,16,128,512,2048")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--no-piecewise", action="store_true", help="time mixed steps eager only")
     ap.add_argument("--out", default="step-cost.json")
     args = ap.parse_args()
     from spark.engine.engine import Engine
@@ -75,10 +77,27 @@ def main() -> int:
     engine = Engine.load(args.model, device=args.device, progress=False,
                          max_model_len=max(args.context + (args.steps + 2) * (len(prefills) + 1) + 16, max(prefills) + 16))
     cuda = engine.device.type == "cuda"
+    capture = {}
     if cuda:
-        engine.enable_cuda_graphs(max(rows_list))
-        while engine.capture_next_graph():
+        engine.enable_cuda_graphs(max(rows_list), max_step_tokens=max(rows_list) + max(prefills))
+        while engine.graphs.capture_next():
             pass
+        if args.no_piecewise:
+            engine.piecewise = None
+        elif engine.piecewise is not None:  # its capture's time and memory, the decode graphs' apart
+            torch.cuda.synchronize()
+            before, free, t0 = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0], time.perf_counter()
+            engine.piecewise.capture_all()
+            torch.cuda.synchronize()
+            capture = {"piecewise_buckets": engine.piecewise.buckets,
+                       "piecewise_capture_s": round(time.perf_counter() - t0, 2),
+                       "piecewise_pool_mib": round((torch.cuda.memory_reserved() - before) / 2**20),
+                       "piecewise_device_mib": round((free - torch.cuda.mem_get_info()[0]) / 2**20),  # graphs too
+                       "piecewise_static_mib": round(sum(b.numel() * b.element_size() for b in (
+                           engine.piecewise.input_ids, engine.piecewise.residual, engine.piecewise.qkv,
+                           engine.piecewise.attn, engine.piecewise.hidden)) / 2**20)}
+            print(json.dumps(capture), file=sys.stderr, flush=True)
+    pieces = engine.piecewise
     gen = torch.Generator().manual_seed(0)
     out = []
     for rows in rows_list:
@@ -86,23 +105,28 @@ def main() -> int:
         params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
         ids = prefilled(engine, alloc, rows, args.context, params, gen, tag=("rows", rows))
         for prefill in prefills:
-            ms, launch_ms = timed_steps(engine, alloc, ids, prefill, args.steps, gen)
-            out.append({"rows": rows, "prefill": prefill, "graph": cuda and prefill == 0, "ms": ms, "launch_ms": launch_ms})
-            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+            for piecewise in ((False,) if pieces is None or not prefill else (True, False)):
+                engine.piecewise = pieces if piecewise else None
+                ms, launch_ms = timed_steps(engine, alloc, ids, prefill, args.steps, gen)
+                out.append({"rows": rows, "prefill": prefill, "graph": cuda and prefill == 0, "piecewise": piecewise,
+                            "ms": ms, "launch_ms": launch_ms})
+                print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+            engine.piecewise = pieces
         graphs, engine.graphs = engine.graphs, None
         ms, launch_ms = timed_steps(engine, alloc, ids, 0, args.steps, gen)
         engine.graphs = graphs
-        out.append({"rows": rows, "prefill": 0, "graph": False, "ms": ms, "launch_ms": launch_ms})
+        out.append({"rows": rows, "prefill": 0, "graph": False, "piecewise": False, "ms": ms, "launch_ms": launch_ms})
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
         for sid in ids:
             engine.remove_sequence(sid)
     doc = {"bench": "step_cost", "model": args.model, "context": args.context,
-           "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": out}
+           "device": torch.cuda.get_device_name() if cuda else "cpu", **capture, "rows": out}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"{'rows':>5} {'prefill':>7} {'graph':>5} {'ms':>8} {'launch_ms':>9}")
+    print(f"{'rows':>5} {'prefill':>7} {'graph':>5} {'piecewise':>9} {'ms':>8} {'launch_ms':>9}")
     for r in out:
-        print(f"{r['rows']:>5} {r['prefill']:>7} {str(r['graph']):>5} {r['ms']:>8} {r['launch_ms']:>9}")
+        print(f"{r['rows']:>5} {r['prefill']:>7} {str(r['graph']):>5} {str(r['piecewise']):>9} {r['ms']:>8} "
+              f"{r['launch_ms']:>9}")
     return 0
 
 

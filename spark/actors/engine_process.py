@@ -52,11 +52,13 @@ class EngineProcess:
 
     @classmethod
     def start(cls, model: str | None, *, graphs_max_batch: int = 0, graphs_verify_rows: int = 0,
+              graphs_max_tokens: int | None = None,
               cpu_threads: int | None = None, warm=None, world_size: int = 1, **load_kwargs) -> "EngineProcess":
         """Spawn the process, load ``model`` there (``Engine.load`` kwargs) and wait until it is ready.
 
         Args:
-          graphs_max_batch, graphs_verify_rows: the CUDA graphs to capture (``Engine.enable_cuda_graphs``).
+          graphs_max_batch, graphs_verify_rows, graphs_max_tokens: the CUDA graphs to capture
+            (``Engine.enable_cuda_graphs``; a max batch of 0: none).
           cpu_threads: torch's intra-op threads there, when it runs on the CPU; None: torch's default.
           warm: the ``warmup.WarmupShape`` to warm the engine for before it reports ready (None: not warmed).
           world_size: tensor-parallel ranks; the others are spawned here unless torchrun started them.
@@ -81,7 +83,8 @@ class EngineProcess:
                 rank_env = followers.env
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=serve, args=(child, model, load_kwargs, (graphs_max_batch, graphs_verify_rows),
+        process = ctx.Process(target=serve, args=(child, model, load_kwargs,
+                                                  (graphs_max_batch, graphs_verify_rows, graphs_max_tokens),
                                                   cpu_threads, warm, rank_env), daemon=True)
         process.start()
         child.close()
@@ -168,7 +171,7 @@ def send_loop(conn, sends: queue.SimpleQueue) -> None:
 def serve(conn, model, load_kwargs, graphs, cpu_threads=None, warm=None, rank_env=None) -> None:
     """The engine process: load, report, then serve sessions until told to stop.
 
-    ``graphs``: (max batch, verify rows) of the CUDA graphs to capture; a max batch of 0: none.
+    ``graphs``: (max batch, verify rows, max step tokens) of the CUDA graphs to capture; a max batch of 0: none.
 
     ``rank_env``: the tensor-parallel rendezvous (``MASTER_ADDR``, ``MASTER_PORT``) this rank 0 joins."""
     import os

@@ -160,7 +160,8 @@ class ThreadTransport:
 
     def open(self, config: ServeConfig, deliver: Callable[[Out], None], exited: Callable[[], None]) -> None:
         shorten_switch_interval()
-        capture = self.engine.enable_cuda_graphs(config.max_batch_size, config.verify_graph_rows())
+        capture = self.engine.enable_cuda_graphs(config.max_batch_size, config.verify_graph_rows(),
+                                                 config.max_batch_size + config.max_prefill_tokens)
         loop = CoreLoop(new_core(self.engine, config), self._inbox, deliver, capture_graphs=capture)
 
         def body() -> None:

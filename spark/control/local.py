@@ -60,6 +60,7 @@ async def load_engine(config: ServeConfig, *, model: str | None = None, dummy_co
 
         load = functools.partial(EngineProcess.start, model, graphs_max_batch=config.max_batch_size,
                                  graphs_verify_rows=config.verify_graph_rows(),
+                                 graphs_max_tokens=config.max_batch_size + config.max_prefill_tokens,
                                  cpu_threads=threads, warm=warm, **kwargs)
     else:
         use_cpu_threads(config.device, threads)

@@ -78,9 +78,10 @@ class StepEngine(LoadedEngine, Protocol):
         """Sample the newest launched step, whose ``mask_later`` chunks get their masks here (a row
         without one samples unconstrained). Nothing is launched or collected before it."""
 
-    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
-        """Plan decode graphs up to ``max_batch_size``, and verify graphs up to ``verify_rows`` rows when
-        the server speculates (0: none); False where there are none (no GPU)."""
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
+        """Plan decode graphs up to ``max_batch_size``, verify graphs up to ``verify_rows`` rows when the
+        server speculates (0: none), and graphs for steps up to ``max_step_tokens`` tokens (prompt chunks
+        beside decodes); False where there are none (no GPU)."""
 
     def capture_next_graph(self) -> bool:
         """Capture one more planned graph; False when none is left."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import time
 from collections import OrderedDict, deque
@@ -118,6 +119,7 @@ class Engine:
         # Steps of decode and verify chunks of up to this many tokens run as one-token rows, the verify
         # graphs' shape (``verify.py``); 0: verify chunks run as varlen chunks (no graphs for them).
         self.verify_rows = 0
+        self.piecewise = None  # PiecewiseGraphs for steps with prompt chunks, likewise (unless switched off)
         self.threads: IdleCoreThreads | None = None  # torch's CPU threads, when they follow the idle cores
         self.think_tags = think_tags(tokenizer)  # (<think> id, </think> ids) when the vocabulary has them
         # Every rank draws a request's seed alike (ranks sample the same tokens: spark/engine/parallel.py).
@@ -215,7 +217,7 @@ class Engine:
     def close(self) -> None:
         """Drop the weights, the KV cache and the CUDA graphs now, even if this object stays referenced
         somewhere (a switch frees one model's memory before loading the next). The engine is unusable after."""
-        self.graphs = None
+        self.graphs = self.piecewise = None
         self.kv_cache = None
         self.model = None
         self._seqs.clear()
@@ -567,12 +569,12 @@ class Engine:
         input_ids = upload(ids, torch.int64, dev)
         for tokens, rows, picks in feeds:  # ids that launched steps are still sampling
             input_ids.index_copy_(0, upload(rows, torch.int64, dev), tokens.index_select(0, upload(picks, torch.int64, dev)))
-        hidden = self.model(
-            input_ids,
-            upload(positions, torch.int64, dev),
-            self.kv_cache.layers,
-            meta,
-        )
+        positions = upload(positions, torch.int64, dev)
+        hidden = None
+        if self.piecewise is not None and not decode_only:  # decode-only steps: the DecodeGraphs' or eager
+            hidden = self.piecewise.forward(input_ids, positions, self.kv_cache.layers, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         if logit_rows is None:
             logit_rows = upload(qsl[1:], torch.int64, dev) - 1  # [B]: each sequence's last new token
         else:
@@ -580,13 +582,16 @@ class Engine:
         return self.model.compute_logits(hidden[logit_rows])
 
     # -- CUDA graphs ------------------------------------------------------
-    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
-        """Prepare decode graphs up to ``max_batch_size`` (captured by ``capture_next_graph``), and verify
-        graphs up to ``verify_rows`` rows (at most ``verify.MAX_ROWS``) when the engine speculates
-        (``SpecConfig.verify_rows``; 0: none). GPU only."""
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
+        """Prepare decode graphs up to ``max_batch_size``, verify graphs up to ``verify_rows`` rows (at most
+        ``verify.MAX_ROWS``) when the engine speculates (``SpecConfig.verify_rows``; 0: none), and
+        piecewise graphs (``piecewise.py``) for the other steps up to ``max_step_tokens`` (default:
+        ``max_batch_size`` + 512 prompt tokens), all captured by ``capture_next_graph``. GPU only; the
+        piecewise ones on one rank, unless ``SPARK_PIECEWISE_GRAPHS=0``."""
         if self.device.type != "cuda":
             return False
         from spark.engine.cuda_graphs import DecodeGraphs
+        from spark.engine.piecewise import PiecewiseGraphs
 
         self.verify_rows = min(verify_rows, verify.MAX_ROWS)
         self.graphs = DecodeGraphs(
@@ -594,15 +599,21 @@ class Engine:
             max_pages_per_seq=-(-self.max_model_len // self.page_size), device=self.device,
             verify_rows=self.verify_rows,
         )
+        if self.tp.world_size == 1 and os.environ.get("SPARK_PIECEWISE_GRAPHS", "1") != "0":
+            self.piecewise = PiecewiseGraphs(self.model, max_tokens=max_step_tokens or max_batch_size + 512,
+                                             device=self.device, dtype=self.dtype)
         return True
 
     def capture_next_graph(self) -> bool:
-        """Capture one more decode graph; False when there is nothing left to capture."""
-        return self.graphs is not None and self.graphs.capture_next()
+        """Capture one more graph (the decode ones, then the piecewise buckets); False when none is left."""
+        if self.graphs is not None and self.graphs.capture_next():
+            return True
+        return self.piecewise is not None and self.piecewise.capture_next()
 
     def graph_progress(self) -> tuple[int, int]:
-        """(decode graphs captured, decode graphs planned); (0, 0) without graphs."""
-        return (0, 0) if self.graphs is None else self.graphs.progress
+        """(graphs captured, graphs planned), a piecewise bucket counting one; (0, 0) without graphs."""
+        parts = [g.progress for g in (self.graphs, self.piecewise) if g is not None]
+        return sum(done for done, _ in parts), sum(planned for _, planned in parts)
 
     def _complete(self, step: _Launched) -> list[TokenOutput]:
         """Read a launched step's samples back (the one host sync of a step) and advance its sequences."""

@@ -136,9 +136,9 @@ class Leader:
         self._tell("sample_late", dict(masks))
         self.engine.sample_late(masks)
 
-    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
-        self._tell("enable_cuda_graphs", max_batch_size, verify_rows)
-        return self.engine.enable_cuda_graphs(max_batch_size, verify_rows)
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
+        self._tell("enable_cuda_graphs", max_batch_size, verify_rows, max_step_tokens)
+        return self.engine.enable_cuda_graphs(max_batch_size, verify_rows, max_step_tokens)
 
     def capture_next_graph(self) -> bool:
         self._tell("capture_next_graph")  # the followers capture beside it: warm-up runs run the collectives

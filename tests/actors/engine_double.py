@@ -147,7 +147,7 @@ class EngineDouble:
         self.sequences.clear()
 
     # -- CUDA graphs: a double has none -------------------------------------
-    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
         return False
 
     def capture_next_graph(self) -> bool:

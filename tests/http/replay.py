@@ -110,7 +110,7 @@ class ReplayEngine(EngineDouble):
         self.prompts: list[str] = []
         self.params: list = []
 
-    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
         return False
 
     def step(self, plan):

@@ -22,7 +22,7 @@ class CapturingEngine(ReplayEngine):
         self.overlapped = 0  # captures that ran while a step was under way
         self._stepping = threading.Event()
 
-    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0) -> bool:
+    def enable_cuda_graphs(self, max_batch_size: int, verify_rows: int = 0, max_step_tokens: int | None = None) -> bool:
         return True
 
     def capture_next_graph(self) -> bool:

@@ -84,7 +84,11 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, D]; rope: from ops.rope, once a step
-        return self.tp.reduce(self.ops.project(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta), self.wo))
+        return self.output(self.attend(self.wqkv(x), rope, k_cache, v_cache, meta))
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """``wo`` of ``attend``'s output [T, q]: [T, D], or split-K partials for ``add_rms_norm``."""
+        return self.tp.reduce(self.ops.project(attn, self.wo))
 
     def attend(self, qkv, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of projected ``qkv`` [T, q + 2 kv] over the cache (this step's K/V written). Returns [T, q]."""
@@ -126,12 +130,22 @@ class Block(nn.Module):
         Returns (this block's MLP output, the residual stream before it); the
         caller adds them, fused into the next norm.
         """
+        qkv, residual = self.before_attention(x, residual)
+        return self.after_attention(self.attention.attend(qkv, rope, k_cache, v_cache, meta), residual)
+
+    # The two row-wise halves around attention, apart: piecewise CUDA graphs (``engine/piecewise.py``)
+    # capture them, and run attention, which reads the step's metadata, eagerly between them.
+    def before_attention(self, x, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv [T, q + 2 kv] of the normed stream, the residual stream) from ``forward``'s x, residual."""
         if residual is None:
             h, residual = self.attention_norm(x), x
         else:
             h, residual = self.attention_norm.add_forward(x, residual)
-        attn = self.attention(h, rope, k_cache, v_cache, meta)
-        h, residual = self.ffn_norm.add_forward(attn, residual)
+        return self.attention.wqkv(h), residual
+
+    def after_attention(self, attn, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s result from attention's output [T, q] and the residual stream."""
+        h, residual = self.ffn_norm.add_forward(self.attention.output(attn), residual)
         return self.feed_forward(h), residual
 
 
@@ -186,13 +200,21 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         rope = self.ops.rope(positions, self.inv_freq)
-        x, residual = self.tp.embed(self.tok_embeddings, input_ids, self.config.vocab_size), None  # [T, D]
+        x, residual = self.embed(input_ids), None  # [T, D]
         if self.one_row and input_ids.shape[0] == 1:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 x = self.ops.block_one_row(layer, x, rope, k_cache, v_cache, meta)
             return self.norm(x)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, k_cache, v_cache, meta)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first block's input [T, D]."""
+        return self.tp.embed(self.tok_embeddings, input_ids, self.config.vocab_size)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The hidden states [T, D] from the last block's output and residual stream."""
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
