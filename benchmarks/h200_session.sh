@@ -45,6 +45,10 @@ for name in "$@"; do
         poisson-chat) poisson "$name" 300 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 45" ;;
         poisson-chat-slai55) poisson "$name" 170 --prompt-dist lognormal --rate 48 --policies slai \
             --spark-args="--tbt-deadline-ms 55" ;;
+        poisson-chat30) poisson "$name" 240 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 30" ;;
+        poisson-chat-slai40) poisson "$name" 130 --prompt-dist lognormal --rate 48 --policies slai \
+            --spark-args="--tbt-deadline-ms 40" ;;
+        piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
         moe-short) step "$name" 300 python moe_decode.py --out "$OUT/moe.json" ;;
