@@ -55,6 +55,8 @@ for name in "$@"; do
         moe-gemv) step "$name" 150 python moe_gemv_bench.py --out "$OUT/moe-gemv.json" ;;
         moe-gemv-sweep) step "$name" 240 python moe_gemv_bench.py --sweep --out "$OUT/moe-gemv-sweep.json" ;;
         step-cost) step "$name" 120 python step_cost.py --out "$OUT/step-cost.json" ;;
+        step-cost-short) step "$name" 90 python step_cost.py --rows 64,256 --prefill 0,128,512,2048 --steps 8 \
+            --out "$OUT/step-cost.json" ;;
         profile-host) step "$name" 120 python profile_host.py --rows 32 --prefill 0,128 ;;
         *) echo "unknown step $name" ;;
     esac
