@@ -586,11 +586,12 @@ class Engine:
         """Prepare decode graphs up to ``max_batch_size``, verify graphs up to ``verify_rows`` rows (at most
         ``verify.MAX_ROWS``) when the engine speculates (``SpecConfig.verify_rows``; 0: none), and
         piecewise graphs (``piecewise.py``) for the other steps up to ``max_step_tokens`` (default:
-        ``max_batch_size`` + 512 prompt tokens), all captured by ``capture_next_graph``. GPU only; the
-        piecewise ones on one rank, unless ``SPARK_PIECEWISE_GRAPHS=0``."""
+        ``max_batch_size`` + 512 prompt tokens; at most ``piecewise.MAX_TOKENS``), all captured by
+        ``capture_next_graph``. GPU only; the piecewise ones on one rank, unless ``SPARK_PIECEWISE_GRAPHS=0``."""
         if self.device.type != "cuda":
             return False
         from spark.engine.cuda_graphs import DecodeGraphs
+        from spark.engine import piecewise
         from spark.engine.piecewise import PiecewiseGraphs
 
         self.verify_rows = min(verify_rows, verify.MAX_ROWS)
@@ -600,8 +601,8 @@ class Engine:
             verify_rows=self.verify_rows,
         )
         if self.tp.world_size == 1 and os.environ.get("SPARK_PIECEWISE_GRAPHS", "1") != "0":
-            self.piecewise = PiecewiseGraphs(self.model, max_tokens=max_step_tokens or max_batch_size + 512,
-                                             device=self.device, dtype=self.dtype)
+            tokens = min(max_step_tokens or max_batch_size + 512, piecewise.MAX_TOKENS)
+            self.piecewise = PiecewiseGraphs(self.model, max_tokens=tokens, device=self.device, dtype=self.dtype)
         return True
 
     def capture_next_graph(self) -> bool:

@@ -36,8 +36,13 @@ log = logging.getLogger("spark.piecewise")
 
 # Token counts a step is padded to: steps a quarter to a third apart above 128, where padding
 # costs compute rather than launches.
-BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560,
-           3072, 4096, 5120, 6144, 8192)
+BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+# Above this many tokens a step keeps the GPU busy while the host launches it (dummy 8B on an H100,
+# benchmarks/step_cost.py: 256 decode rows + 2048 prompt tokens took 69.0 ms piecewise, 70.2 eager;
+# + 512 took 28.6 against 36.2), while its graphs' pool would hold ~150 KB a token for good: the
+# 8448-token bucket of a server with --max-prefill-tokens 8192 ran the GPU out of memory beside a
+# KV cache sized from the free memory.
+MAX_TOKENS = 2048
 
 
 class PiecewiseGraphs:
