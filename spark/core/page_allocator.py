@@ -10,7 +10,10 @@ tokens chained over the hashes of the pages before it (``cache``); a later seque
 starts with the same tokens maps those pages (``match`` then ``share_cached``) instead of
 computing them. A registered page whose last holder frees it stays cached, evictable: it
 counts as free, and is given out again (its content forgotten) least recently used first,
-only when no never-used page is left. A page some sequence holds is never evicted.
+only when no never-used page is left, or when ``warm_pages`` pages have been used already: a pool
+whose memory is committed as it is first written (a CPU engine's) then stays at that many pages
+while cached ones can make room, instead of growing with every distinct text served until the
+whole pool is resident. A page some sequence holds is never evicted.
 
 Pins: ``pin`` keeps a sequence's cached pages out of eviction until a deadline, under a key
 (a stored Response's id, an Anthropic ``cache_control`` breakpoint) that ``unpin`` ends early.
@@ -37,7 +40,8 @@ class PageAllocator:
     skipped slots point there, so a stray write can never land in a live page.
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, max_pinned: int | None = None):
+    def __init__(self, num_pages: int, page_size: int, *, max_pinned: int | None = None,
+                 warm_pages: int | None = None):
         if num_pages < 2:
             raise ValueError(f"need at least 2 KV pages, got {num_pages}")
         if page_size < 1:
@@ -48,6 +52,10 @@ class PageAllocator:
         # whose memory is committed as it is first written (a CPU engine's) grows only as far as the
         # most pages held at once, not to every page in turn.
         self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
+        # Pages 1..used_up have been given out at least once; the never-used ones lie below the freed
+        # ones in ``_free``, the next of them being ``used_up + 1``.
+        self._used_up = 0
+        self.warm_pages = self.num_total if warm_pages is None else max(1, warm_pages)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by none: least recent first
         self._refcount = [0] * num_pages
         self._tables: dict[object, list[int]] = {}
@@ -238,9 +246,13 @@ class PageAllocator:
         self._next_expiry = float("inf")
 
     def _take(self) -> int:
-        """A page for a new holder: a never-used one, else the least recently used cached one."""
-        if self._free:
-            return self._free.pop()  # the most recently freed: a host's memory stays as small as it was
+        """A page for a new holder: a freed one, else a never-used one (while fewer than ``warm_pages``
+        have been used, or no cached page is left), else the least recently used cached one."""
+        if self._free and (self._free[-1] <= self._used_up or self._used_up < self.warm_pages
+                           or not self._evictable):
+            page = self._free.pop()  # the most recently freed: a host's memory stays as small as it was
+            self._used_up = max(self._used_up, page)
+            return page
         page, _ = self._evictable.popitem(last=False)
         del self._page_of[self._hash_of.pop(page)]
         self.evictions += 1

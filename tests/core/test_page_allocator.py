@@ -169,3 +169,19 @@ def test_the_last_freed_pages_are_given_out_first():
         touched.update(alloc.allocate(i, 8))
         alloc.free(i)
     assert len(touched) == 2
+
+
+def test_past_warm_pages_cached_pages_are_evicted_before_a_never_used_page_is_touched():
+    # Every distinct text's full pages stay cached once freed: without a limit a CPU server's KV memory
+    # grew with each new text until the whole pool was resident.
+    alloc = PageAllocator(1 + 64, 4, warm_pages=6)
+    touched = set()
+    for i in range(50):
+        touched.update(alloc.allocate(i, 8))  # 2 pages each
+        for index in range(2):
+            alloc.cache(i, index, b"%d-%d" % (i, index))
+        alloc.free(i)
+    assert len(touched) == 6 and alloc.evictions == 50 * 2 - 6
+    # Live sequences still get every page they ask for, never-used ones included.
+    tables = [alloc.allocate(f"live{j}", 16) for j in range(16)]
+    assert len({p for t in tables for p in t}) == 64 and alloc.num_free == 0

@@ -298,3 +298,13 @@ def test_plan_beyond_the_known_tokens_is_refused(engine):
             engine.step(StepPlan((Chunk("over", 2, table),)))  # one token to decode, not two
     finally:
         engine.remove_sequence("over")
+
+
+def test_a_cpu_engine_of_the_default_kv_size_keeps_few_cached_pages_written_and_a_sized_one_all():
+    from spark.engine.engine import CPU_KV_WARM_TOKENS
+
+    default = Engine.load("dummy:tiny-llama", device="cpu", dtype=torch.float32, progress=False)
+    assert default.new_page_allocator().warm_pages == -(-CPU_KV_WARM_TOKENS // default.page_size)
+    sized = Engine.load("dummy:tiny-llama", device="cpu", dtype=torch.float32, kv_cache_tokens=8192, progress=False)
+    alloc = sized.new_page_allocator()
+    assert alloc.warm_pages == alloc.num_total

@@ -169,9 +169,25 @@ def _rope_cos_sin_full(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rope.rotate`` in five ops instead of nine: x [T, H, Dh] by full-width cos, sin [T, 1, Dh] (fp32)."""
-    half = x.shape[-1] // 2
-    return (x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * sin).to(x.dtype)
+    """``rope.rotate`` in five ops instead of nine: x [T, H, Dh] by full-width cos, sin [T, 1, Dh] (fp32).
+
+    The halves swap in one ``flip`` of a [T, H, 2, Dh/2] view (a cat of two slices was three ops)."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return (x * cos + swapped * sin).to(x.dtype)
+
+
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm.rms_norm_reference`` bit for bit, its fp32 arithmetic in one C++ op (``F.rms_norm`` without
+    a weight rounds ``x / rms(x)`` to x's dtype, as the reference does, before the weight's product)."""
+    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps)).to(x.dtype)
+
+
+def _add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    if x.dim() != residual.dim():  # split-K partials (not made on the CPU; the reference sums them)
+        return norm.add_rms_norm_reference(x, residual, weight, eps)
+    h = x + residual
+    return _rms_norm_cpu(h, weight, eps), h
 
 
 class CpuOps(TorchOps):
@@ -179,10 +195,12 @@ class CpuOps(TorchOps):
 
     On the CPU every op costs microseconds of dispatch, a few times what a decode-sized
     op computes, so what counts is how many there are: the rotation is five ops with cos
-    and sin made full-width once a step, and a decode-only step attends in one batched
-    SDPA instead of the reference's dozen small ops per sequence. (The norm is the
-    reference's, which rounds as the GPU kernels do: ``F.rms_norm`` rounds once, and in
-    bf16 its greedy tokens agreed less often with float32's, for no time measured.) Each
+    and sin made full-width once a step, q and k rotated as one, and a decode-only step attends
+    in one batched SDPA instead of the reference's dozen small ops per sequence. (The
+    norm rounds as the reference and the GPU kernels do, ``x / rms(x)`` to x's dtype before the
+    weight's product: ``F.rms_norm`` given the weight rounds once, and in bf16 its greedy tokens
+    agreed less often with float32's; without the weight it is the reference's arithmetic in
+    one C++ op, bit for bit.) Each
     layer writes the step's K/V with one ``index_copy_`` per cache and gathers every
     sequence's context into one padded ``[B, Hkv, L, Dh]`` batch with one
     ``index_select``; the gather map and the padding mask are built at the step's first
@@ -192,6 +210,8 @@ class CpuOps(TorchOps):
     """
 
     rope = staticmethod(_rope_cos_sin_full)
+    rms_norm = staticmethod(_rms_norm_cpu)
+    add_rms_norm = staticmethod(_add_rms_norm_cpu)
 
     def __init__(self):
         self._context = None  # (meta, slots [B, L], mask [B, 1, 1, L] or None) of the last decode step
@@ -210,7 +230,9 @@ class CpuOps(TorchOps):
             half = q.shape[-1] // 2
             return attention.rope_attend_reference(q, k, v, (cos[:, 0, :half], sin[:, 0, half:]), k_cache, v_cache,
                                                    meta, scale)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        heads = q.shape[1]
+        qk = _rotate(torch.cat((q, k), 1), cos, sin)  # q and k rotated as one [T, H + Hkv, Dh]
+        q, k = qk[:, :heads], qk[:, heads:]
         (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)

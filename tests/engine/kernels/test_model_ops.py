@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spark.engine.attention import AttentionMetadata, leading_single_rows
-from spark.engine.kernels import small_linear
+from spark.engine.kernels import norm, small_linear
 from spark.engine.kv_cache import KVCache
 from spark.engine.models.ops import CpuOps, TorchOps, TritonOps
 from spark.engine.models.runtime import Runtime, build_model
@@ -138,3 +138,16 @@ def test_small_row_kernel_path_of_a_wide_model(bf16_rounds_to_nearest, monkeypat
     expected, got = outs
     # bf16 products summed in another order, through one block: within a couple of ulps of the largest value.
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_norms_are_the_references_bit_for_bit(dtype):
+    """CpuOps' norms (``F.rms_norm`` without the weight, then the weight's product) round as the reference."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 8, 65):
+        x = (torch.randn(rows, 576, generator=gen) * 4).to(dtype)
+        residual = torch.randn(rows, 576, generator=gen).to(dtype)
+        weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+        assert torch.equal(CpuOps.rms_norm(x, weight, 1e-5), norm.rms_norm_reference(x, weight, 1e-5))
+        got, ref = CpuOps.add_rms_norm(x, residual, weight, 1e-5), norm.add_rms_norm_reference(x, residual, weight, 1e-5)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
