@@ -17,16 +17,30 @@ import os
 import torch
 
 
-def interpreting(kernel) -> bool:
-    """Whether ``kernel`` runs in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+# These run at every launch, several times a layer of an eager step, where each microsecond of
+# Python is host time the GPU may wait on: what they ask is looked up once.
+
+
+@functools.cache
+def _interpreted_function() -> type:
+    # Imported once: an import statement in `interpreting` cost 2 us a call.
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(kernel, InterpretedFunction)
+    return InterpretedFunction
+
+
+def interpreting(kernel) -> bool:
+    """Whether ``kernel`` runs in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return isinstance(kernel, _interpreted_function())
 
 
 @functools.cache
 def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("SPARK_PDL", "1") != "0"
+
+
+_PDL_ON = {"PDL": True, "launch_pdl": True}  # shared, never changed: callers unpack them
+_PDL_OFF = {"PDL": False}
 
 
 def pdl(kernel, x: torch.Tensor) -> dict:
@@ -36,5 +50,6 @@ def pdl(kernel, x: torch.Tensor) -> dict:
     A kernel with ``PDL`` set must call `wait_for_previous` before its first load of
     anything an earlier kernel wrote, and before its first store.
     """
-    on = x.is_cuda and not interpreting(kernel) and _pdl_device(x.device.index or torch.cuda.current_device())
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    # get_device(): a CUDA tensor's index, without building a torch.device.
+    on = x.is_cuda and not interpreting(kernel) and _pdl_device(x.get_device())
+    return _PDL_ON if on else _PDL_OFF

@@ -70,6 +70,7 @@ class DecodeConfig:
     num_stages: int = 2
 
 
+@functools.cache  # asked at every launch; a frozen value, shared
 def decode_config(head_dim: int) -> DecodeConfig:
     """The fastest config of `benchmarks/attention_bench.py` on an H200 (bf16, page size
     16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2."""
@@ -86,6 +87,8 @@ def paged_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat mixed batch of prefill chunks and decode tokens.
 
@@ -103,17 +106,25 @@ def paged_attention_reference(
       block_tables: `[B, max_pages]` int32 pages of each sequence, padded with anything.
       scale: softmax scale, usually `D ** -0.5`.
       k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache (dequantized as gathered), or None.
+      out: `[T, H, D]` in q's dtype to write into, as the kernels take it: the rows of every
+        sequence are written, any other row is left as it is. None: a new tensor, zero elsewhere.
 
     Returns:
-      `[T, H, D]` attention output; rows of sequences with an empty context are zero.
+      `out`, or a new `[T, H, D]`: the attention output; rows of sequences with an empty context are zero.
     """
-    out = torch.zeros_like(q)
+    given = out is not None
+    if given:
+        assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    else:
+        out = torch.zeros_like(q)
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, context_len in enumerate(lens):
         q_lo, q_hi = starts[b], starts[b + 1]
         q_len = q_hi - q_lo
         if q_len == 0 or context_len == 0:
+            if given and q_len:  # a caller's `out` may hold anything there
+                out[q_lo:q_hi] = 0
             continue
         pages = block_tables[b, : -(-context_len // page_size)].long()
         # [pages, page_size, Hkv, D] -> [1, Hkv, context_len, D]. SDPA gets 4-D inputs
@@ -149,6 +160,8 @@ def paged_decode_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context (torch reference).
 
@@ -159,13 +172,14 @@ def paged_decode_attention_reference(
       seq_lens: `[B]` int32 context lengths, the new token included.
       scale: softmax scale.
       k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
+      out: `[B, H, D]` in q's dtype to write into, or None.
 
     Returns:
-      `[B, H, D]`.
+      `out`, or a new `[B, H, D]`.
     """
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                     k_scale, v_scale)
+                                     k_scale, v_scale, out=out)
 
 
 def paged_decode_attention_triton(
@@ -179,6 +193,8 @@ def paged_decode_attention_triton(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context (Triton, online softmax).
 
@@ -200,12 +216,14 @@ def paged_decode_attention_triton(
       num_splits: partitions per sequence; None picks them from the batch shape.
       config: how the kernel walks keys; None picks it by `decode_config`.
       k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
+      out: `[B, H, D]` in q's dtype, any strides (a slice of a caller's buffer), to write the
+        result into; with splits only the final merge writes it. None: a new tensor.
 
     Returns:
-      `[B, H, D]` in q's dtype.
+      `out`, or a new `[B, H, D]` in q's dtype.
     """
     return _launch_decode(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
-                          k_scale, v_scale)
+                          k_scale, v_scale, out)
 
 
 def paged_decode_attention_rope_reference(
@@ -222,6 +240,8 @@ def paged_decode_attention_rope_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rope.rope_and_write_kv_reference`, then `paged_decode_attention_reference` (torch).
 
@@ -229,7 +249,8 @@ def paged_decode_attention_rope_reference(
     """
     q_rot = rope.rope_and_write_kv_reference(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping,
                                              k_scale, v_scale)
-    return paged_decode_attention_reference(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    return paged_decode_attention_reference(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                            out=out)
 
 
 def paged_decode_attention_rope_triton(
@@ -248,6 +269,8 @@ def paged_decode_attention_rope_triton(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rope, KV write and decode attention in one launch (plus the reduce when split).
 
@@ -275,20 +298,21 @@ def paged_decode_attention_rope_triton(
       num_splits: partitions per sequence; None picks them from the batch shape.
       config: how the kernel walks keys; None picks it by `decode_config`.
       k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache (the new token stored quantized), or None.
+      out: as `paged_decode_attention_triton`'s.
 
     Returns:
-      `[B, H, D]` in q's dtype.
+      `out`, or a new `[B, H, D]` in q's dtype.
     """
     batch, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and q.shape[0] == batch and q.shape[2] == head_dim and head_dim % 2 == 0
     assert inv_freq.shape == (head_dim // 2,) and positions.shape == slot_mapping.shape == (batch,)
     rope_args = (k, v, positions, inv_freq, slot_mapping)
     return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
-                          k_scale, v_scale)
+                          k_scale, v_scale, out)
 
 
 def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
-                   k_scale=None, v_scale=None):
+                   k_scale=None, v_scale=None, out=None):
     """Launch the decode kernel (with rope + KV write when `rope_args` is given) and the reduce."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -297,7 +321,10 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size)
-    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
     if batch == 0:
         return out
     decode_kernel, reduce_kernel = _kernels()
@@ -317,7 +344,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         partial_sum = torch.empty_like(partial_max)
         partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     else:  # unused by the kernel; any fp32 tensor fills the arguments
-        partial_max = partial_sum = partial_out = out.new_empty(0, dtype=torch.float32)
+        partial_max = partial_sum = partial_out = _no_partials(q.device)
     # Without rope the kernel never touches the rope arguments: any tensors fill them.
     k, v, positions, inv_freq, slot_mapping = rope_args or (q, q, seq_lens, partial_max, seq_lens)
     decode_kernel[(batch, num_kv_heads, num_splits)](
@@ -343,6 +370,12 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **launch.pdl(reduce_kernel, q),
         )
     return out
+
+
+@functools.cache
+def _no_partials(device: torch.device) -> torch.Tensor:
+    """An empty fp32 tensor for an unsplit launch's partial arguments: made once, not at every launch."""
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 def half_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:

@@ -45,13 +45,15 @@ def paged_prefill_attention_reference(
     max_query_len: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat mixed batch (torch reference: `paged_attention_reference`).
 
     `max_query_len` is accepted for signature parity with the Triton version and unused.
     """
     return paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                     k_scale, v_scale)
+                                     k_scale, v_scale, out=out)
 
 
 def paged_prefill_attention_triton(
@@ -66,6 +68,7 @@ def paged_prefill_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
     block_m: int = _BLOCK_M,
     block_n: int = _BLOCK_N,
     num_stages: int = 2,
@@ -88,12 +91,15 @@ def paged_prefill_attention_triton(
       scale: softmax scale, usually `D ** -0.5`.
       max_query_len: at least the largest q_len in the batch (a host-side int).
       k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache, or None.
+      out: `[T, H, D]` in q's dtype, any strides (a slice of a caller's buffer), to write the
+        result into: the rows of every sequence are written, any other row is left as it is.
+        None: a new tensor, zero outside every sequence.
       block_m, block_n: tile sizes, each a power of two >= 16 (tests shrink them).
       num_stages: software-pipelining depth of the key loop on a GPU (0: a plain loop);
         2 was fastest in `benchmarks/attention_bench.py` on an H200 for 512-token chunks.
 
     Returns:
-      `[T, H, D]` in q's dtype, contiguous; rows outside every sequence are zero.
+      `out`, or a new `[T, H, D]` tensor in q's dtype, contiguous; rows outside every sequence are zero.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -101,8 +107,11 @@ def paged_prefill_attention_triton(
     assert group * num_kv_heads == num_heads and k_cache.shape[3] == head_dim
     assert k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
     batch = seq_lens.shape[0]
-    # Zeros, not empty: matches the reference for rows no sequence owns (padding).
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        # Zeros, not empty: matches the reference for rows no sequence owns (padding).
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     kernel = _kernel()

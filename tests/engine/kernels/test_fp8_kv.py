@@ -136,6 +136,11 @@ def test_decode_triton_fp8_matches_reference(num_splits):
     expected = paged_decode_attention_reference(q, k8, v8, tables, seq_lens, 0.125, *SCALES)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert out[-1].eq(0).all()
+    # Into a caller's strided view: the same bits.
+    given = torch.full((len(contexts), 12, 64), 7.0)[:, ::2]
+    paged_decode_attention_triton(q, k8, v8, tables, seq_lens, 0.125, num_splits, k_scale=SCALES[0],
+                                  v_scale=SCALES[1], out=given)
+    assert torch.equal(given, out)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -157,6 +162,10 @@ def test_decode_rope_triton_fp8_matches_reference(num_splits):
     expected, k_ref, v_ref = run(paged_decode_attention_rope_reference, k_scale=SCALES[0], v_scale=SCALES[1])
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert out[1].eq(0).all()
+    given = torch.full((out.shape[0], 2 * out.shape[1], out.shape[2]), 7.0)[:, ::2]
+    again, _, _ = run(paged_decode_attention_rope_triton, num_splits=num_splits, k_scale=SCALES[0],
+                      v_scale=SCALES[1], out=given)
+    assert again is given and torch.equal(given, out)
     k_unfused, v_unfused = caches[0].clone(), caches[1].clone()
     rope_and_write_kv_triton(*qkv, positions, inv_freq, k_unfused, v_unfused, slots, *SCALES)
     assert torch.equal(_bits(k_tri), _bits(k_unfused)) and torch.equal(_bits(v_tri), _bits(v_unfused))

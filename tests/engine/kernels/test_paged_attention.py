@@ -132,6 +132,25 @@ def test_decode_triton_matches_reference(page_size, num_kv_heads, group, head_di
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_triton_writes_a_given_out(num_splits):
+    """Into a caller's strided [B, H, D] view (split: only the merge writes it), bit for bit what it
+    returns without one; an empty context's row is zeroed there too. The reference takes `out` as well."""
+    context_lens = [1, 17, 0, 300]
+    _, _, k_cache, v_cache, block_tables = _paged_batch(context_lens, 8, 2, 32)
+    q = torch.randn(len(context_lens), 6, 32)
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, 0.2)
+    given = torch.full((len(context_lens), 12, 32), 7.0)[:, 3:9]
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, out=given)
+    assert out is given and out[2].eq(0).all()
+    assert torch.equal(out, paged_decode_attention_triton(*args, num_splits=num_splits))
+    ref_given = torch.full_like(q, 7.0)
+    assert paged_decode_attention_reference(*args, out=ref_given) is ref_given
+    assert torch.equal(ref_given, paged_decode_attention_reference(*args))
+    torch.testing.assert_close(out, ref_given, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 def test_decode_triton_half_precision_cache(dtype, atol):
     # The GPU dtypes: loaded as fp32, accumulated in fp32, so only the output rounding remains.

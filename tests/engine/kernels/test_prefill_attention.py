@@ -120,3 +120,35 @@ def test_leading_single_rows_are_counted_from_the_start_only():
     assert leading_single_rows([0, 5, 6]) == 0
     assert leading_single_rows([0, 1, 2]) == 2
     assert leading_single_rows([0]) == 0
+
+
+def _sentinel_rows(num_tokens, num_heads, head_dim, dtype=torch.float32):
+    """A caller's buffer as the piecewise runner hands it: a [T, H, D] view with strides of its own
+    (every other head of a wider buffer), filled with a value no kernel writes."""
+    return torch.full((num_tokens, 2 * num_heads, head_dim), 7.0, dtype=dtype)[:, ::2]
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_triton_writes_a_given_out_and_only_the_rows_of_sequences(fp8_cache):
+    from tests.engine.kernels.test_fp8_kv import SCALES, _scaled_caches
+
+    rows = [(1, 9), (18, 18), (2, 40)]
+    q, k_cache, v_cache, qsl, seq_lens, tables, _ = _mixed_batch(rows, 4, 2, 2, 32)  # 2 kv heads, as SCALES
+    padded_q = torch.cat([q, torch.randn(5, *q.shape[1:])])  # 5 rows no sequence owns
+    scales = ()
+    if fp8_cache:
+        (k_cache, v_cache), _ = _scaled_caches(k_cache, v_cache)
+        scales = SCALES
+    args = (padded_q, k_cache, v_cache, qsl, seq_lens, tables, 0.3, 18, *scales)
+    given = _sentinel_rows(*padded_q.shape)
+    out = paged_prefill_attention_triton(*args, out=given, block_m=16, block_n=16)
+    assert out is given
+    fresh = paged_prefill_attention_triton(*args, block_m=16, block_n=16)
+    assert torch.equal(out[:-5], fresh[:-5]) and out[-5:].eq(7.0).all()
+    # The reference takes `out` too, with the same contract.
+    ref_given = _sentinel_rows(*padded_q.shape)
+    ref = paged_prefill_attention_reference(*args, out=ref_given)
+    assert ref is ref_given and ref[-5:].eq(7.0).all()
+    assert torch.equal(ref[:-5], paged_prefill_attention_reference(*args)[:-5])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
