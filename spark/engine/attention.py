@@ -11,6 +11,8 @@ scales go to the kernels beside the pages.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 
@@ -37,6 +39,37 @@ class AttentionMetadata:
     # every row's K/V is written before any row attends, never in the fused one-launch decode.
     writes_first: bool = False
 
+    @functools.cached_property
+    def mixed(self) -> MixedParts:
+        """The step cut for ``attend_triton``'s two kernels, by the first layer that asks; every other
+        layer reuses it (its tensors are not changed after the metadata is built)."""
+        return MixedParts.cut(self)
+
+
+@attrs.frozen
+class MixedParts:
+    """A mixed step's metadata cut in two: its ``n = num_single`` leading decode rows, and the
+    sequences after them (the prefill chunks), rebased to start at query row 0.
+
+    Cut once a step rather than once a layer: rebasing ``query_start_loc`` is a kernel launch,
+    and each slice a trip through torch's dispatcher."""
+
+    decode_seq_lens: torch.Tensor  # [n]
+    decode_block_tables: torch.Tensor  # [n, max_pages]
+    prefill_query_start_loc: torch.Tensor  # [B - n + 1]: query_start_loc[n:] - n
+    prefill_seq_lens: torch.Tensor  # [B - n]
+    prefill_block_tables: torch.Tensor  # [B - n, max_pages]
+
+    @classmethod
+    def cut(cls, meta: AttentionMetadata) -> MixedParts:
+        n = meta.num_single
+        qsl = meta.query_start_loc
+        return cls(
+            decode_seq_lens=meta.seq_lens[:n], decode_block_tables=meta.block_tables[:n],
+            prefill_query_start_loc=qsl[n:] - n if n else qsl,
+            prefill_seq_lens=meta.seq_lens[n:], prefill_block_tables=meta.block_tables[n:],
+        )
+
 
 def leading_single_rows(query_start_loc: list[int]) -> int:
     """How many sequences at the start of a batch compute one token (``query_start_loc[i] == i``)."""
@@ -60,14 +93,16 @@ def rope_attend_reference(
     v_cache,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,  # [T, H, Dh] to write the result into (a slice of a caller's buffer)
 ) -> torch.Tensor:
-    """Rotate q and k, write this step's K/V into their pages, attend (torch). Returns [T, H, Dh]."""
+    """Rotate q and k, write this step's K/V into their pages, attend (torch). Returns [T, H, Dh]: ``out``
+    when given."""
     (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_write.write_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return pa.paged_attention_reference(
-        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, k_scale, v_scale
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, k_scale, v_scale, out=out
     )
 
 
@@ -80,8 +115,9 @@ def rope_attend_triton(
     v_cache,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,  # [T, H, Dh], any strides: the kernels write the result there
 ) -> torch.Tensor:
-    """``rope_attend_reference`` in Triton kernels. Returns [T, H, Dh].
+    """``rope_attend_reference`` in Triton kernels. Returns [T, H, Dh]: ``out`` when given.
 
     Decode at small batch is bound by kernel launches: a decode-only step rotates,
     writes and attends in one launch; any other step rotates and writes in one, then
@@ -94,32 +130,37 @@ def rope_attend_triton(
     if meta.decode_only and not meta.writes_first:
         return pa.paged_decode_attention_rope_triton(
             q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, out=out,
         )
     q = rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
                                       k_scale, v_scale)
-    return attend_triton(q, k_cache, v_cache, meta, scale)
+    return attend_triton(q, k_cache, v_cache, meta, scale, out)
 
 
-def attend_triton(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The Triton kernels for a step whose K/V are in the cache. Returns [T, H, Dh].
+def attend_triton(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernels for a step whose K/V are in the cache. Returns [T, H, Dh]: ``out`` when given
+    (any strides), else a new tensor.
 
     Single-token rows take the decode kernel, which reads each KV head once for
     its whole GQA group; in the prefill kernel each of them would fill a block of
     query rows alone and read its context once per query head. A mixed step (the
-    decodes first, as plans put them) is split in two: decodes, then prefill chunks.
+    decodes first, as plans put them) is split in two: decodes, then prefill chunks,
+    each kernel writing its rows of the one output (the step's cut, ``meta.mixed``, is
+    made once for all layers). Every row belongs to a sequence (T is ``query_start_loc[-1]``).
     """
     (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if meta.decode_only:
-        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, **scales)
-    n = meta.num_single
-    prefill = prefill_attention.paged_prefill_attention_triton(
-        q[n:], k_cache, v_cache, meta.query_start_loc[n:] - n, meta.seq_lens[n:], meta.block_tables[n:], scale,
-        meta.max_query_len, **scales,
+        return pa.paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                                k_scale=k_scale, v_scale=v_scale, out=out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n, parts = meta.num_single, meta.mixed
+    if n:
+        pa.paged_decode_attention_triton(q[:n], k_cache, v_cache, parts.decode_block_tables, parts.decode_seq_lens,
+                                         scale, k_scale=k_scale, v_scale=v_scale, out=out[:n])
+    prefill_attention.paged_prefill_attention_triton(
+        q[n:], k_cache, v_cache, parts.prefill_query_start_loc, parts.prefill_seq_lens, parts.prefill_block_tables,
+        scale, meta.max_query_len, k_scale, v_scale, out=out[n:],
     )
-    if n == 0:
-        return prefill
-    decode = pa.paged_decode_attention_triton(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
-                                              **scales)
-    return torch.cat((decode, prefill))
+    return out

@@ -156,9 +156,13 @@ class PiecewiseGraphs:
         model, segments = self.model, self.ready[b]
         self.input_ids[:tokens].copy_(input_ids)  # the padded rows keep stale ids: valid, never read back
         rope = model.ops.rope(positions, model.inv_freq)
-        qkv, attn = self.qkv[:tokens], self.attn[:tokens]
+        # Every layer's attention reads the same rows of ``qkv`` and writes the same rows of ``attn``
+        # (the kernels write there, no copy): their per-head views, made once a step.
+        first = model.layers[0].attention
+        heads = first.heads(self.qkv[:tokens])
+        attn = self.attn[:tokens].view(tokens, first.num_heads, first.head_dim)
         segments[0]()
         for layer, (k_cache, v_cache), segment in zip(model.layers, kv_caches, segments[1:]):
-            attn.copy_(layer.attention.attend(qkv, rope, k_cache, v_cache, meta))
+            layer.attention.attend_heads(*heads, rope, k_cache, v_cache, meta, out=attn)
             segment()
         return self.hidden[:tokens]

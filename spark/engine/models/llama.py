@@ -92,16 +92,24 @@ class Attention(nn.Module):
 
     def attend(self, qkv, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of projected ``qkv`` [T, q + 2 kv] over the cache (this step's K/V written). Returns [T, q]."""
+        out = self.attend_heads(*self.heads(qkv), rope, k_cache, v_cache, meta)  # [T, H, Dh]
+        return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views q [T, H, Dh], k, v [T, Hkv, Dh] of ``qkv`` [T, q + 2 kv]: the same for every layer of a
+        step whose layers project into one buffer (the piecewise runner's), so made once there."""
         T = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+                v.view(T, self.num_kv_heads, self.head_dim))
+
+    def attend_heads(self, q, k, v, rope, k_cache, v_cache, meta: AttentionMetadata,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """``attend`` of ``heads``' views. Returns [T, H, Dh]: ``out`` when given (any strides), written in place."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.ops.attend(q, k, v, rope, k_cache, v_cache, meta, self.scale)  # [T, H, Dh]
-        return out.reshape(T, q_size)
+        return self.ops.attend(q, k, v, rope, k_cache, v_cache, meta, self.scale, out)
 
 
 class FeedForward(nn.Module):

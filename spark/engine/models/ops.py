@@ -50,8 +50,10 @@ class Ops(Protocol):
     def project(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """``linear(x)``, or its split-K partials [S, T, N]: only ever fed to ``add_rms_norm``."""
 
-    def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Rotate q and k, write k, v into the cache, attend over it. Returns [T, H, Dh]."""
+    def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate q and k, write k, v into the cache, attend over it. Returns [T, H, Dh]: ``out`` (any
+        strides) when given, written in place."""
 
     def swiglu(self, x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.Tensor:
         """``w2(silu(gate) * up)`` with ``gate, up = w13(x)`` (w13's rows: gate, then up); may be partials."""
@@ -224,12 +226,13 @@ class CpuOps(TorchOps):
             self._writes = (meta, meta.slot_mapping.clamp_min(0))
         return self._writes[1]
 
-    def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, rope: Rope, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope
         if not meta.decode_only:
             half = q.shape[-1] // 2
             return attention.rope_attend_reference(q, k, v, (cos[:, 0, :half], sin[:, 0, half:]), k_cache, v_cache,
-                                                   meta, scale)
+                                                   meta, scale, out)
         heads = q.shape[1]
         qk = _rotate(torch.cat((q, k), 1), cos, sin)  # q and k rotated as one [T, H + Hkv, Dh]
         q, k = qk[:, :heads], qk[:, heads:]
@@ -252,9 +255,9 @@ class CpuOps(TorchOps):
             values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
-        out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, head_dim), keys, values,
-                                             attn_mask=mask, scale=scale)
-        return out.view(q.shape)
+        attn = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, head_dim), keys, values,
+                                              attn_mask=mask, scale=scale).view(q.shape)
+        return attn if out is None else out.copy_(attn)
 
     def _decode_context(self, meta: AttentionMetadata, page_size: int):
         """(flat cache slots [B, L] of every sequence's context, padded with page 0; the mask of the

@@ -152,3 +152,25 @@ def test_triton_writes_a_given_out_and_only_the_rows_of_sequences(fp8_cache):
     assert torch.equal(ref[:-5], paged_prefill_attention_reference(*args)[:-5])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
+
+@pytest.mark.parametrize("num_single", [0, 3])
+def test_a_mixed_step_writes_both_kernels_rows_into_one_out(num_single):
+    """attend_triton given an output: the decode and prefill kernels each write their rows of it,
+    bit for bit what it returns without one; the step's cut is made once and reused."""
+    from spark.engine.attention import AttentionMetadata, attend_triton
+
+    rows = [(1, 17), (1, 40), (1, 1), (20, 50), (37, 37), (1, 9)][3 - num_single:]
+    q, k_cache, v_cache, qsl, seq_lens, tables, _ = _mixed_batch(rows, 16, 2, 4, 64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((q.shape[0],), -1), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+        decode_only=False, max_query_len=37, num_single=num_single,
+    )
+    fresh = attend_triton(q, k_cache, v_cache, meta, 0.125)
+    parts = meta.mixed
+    given = _sentinel_rows(*q.shape)
+    assert attend_triton(q, k_cache, v_cache, meta, 0.125, given) is given
+    assert meta.mixed is parts  # cut once a step, not once a layer
+    assert torch.equal(given, fresh)
+    assert torch.equal(parts.prefill_query_start_loc, qsl[num_single:] - num_single)
+    expected = paged_prefill_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125, max_query_len=37)
+    torch.testing.assert_close(given, expected, rtol=2e-4, atol=2e-4)
