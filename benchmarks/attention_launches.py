@@ -42,10 +42,13 @@ NO_KERNEL = {
 
 
 class Counter(TorchDispatchMode):
+    """Counts aten ops, apart for those inside a layer's ``attention.attend`` (``scope`` "layer")."""
+
     def __init__(self):
         super().__init__()
-        self.ops = collections.Counter()
+        self.ops = {"layer": collections.Counter(), "step": collections.Counter()}
         self.paused = False
+        self.scope = "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -54,7 +57,7 @@ class Counter(TorchDispatchMode):
             if name == "reshape.default":  # seen whole under inference_mode: a view, or a copy kernel
                 same = out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
                 name = "reshape(view)" if same else "reshape(copy)"
-            self.ops[name] += 1
+            self.ops[self.scope][name] += 1
         return out
 
 
@@ -82,14 +85,17 @@ def main() -> None:
     for b, segments in runner.ready.items():  # a replay on a GPU: one launch, nothing of the host's
         runner.ready[b] = [lambda: replays.update(["replay"]) for _ in segments]
     chunks = [(b, 8, 1) for b in range(args.decodes)] + [(args.decodes, 0, args.prompt)]
-    positions, meta = _step(chunks, decode_only=False)
+    # A fresh metadata object a step, as the engine builds one: what it caches is built once a step.
+    steps = [_step(chunks, decode_only=False) for _ in range(args.repeats + 2)]
+    positions = steps[0][0]
     ids = torch.zeros(tokens, dtype=torch.int64)
 
-    counter, launches, stub = Counter(), collections.Counter(), [False]
+    counter, stub = Counter(), [False]
+    launches = {"layer": collections.Counter(), "step": collections.Counter()}
     run = InterpretedFunction.run
 
     def counted_run(self, *a, **kw):
-        launches[self.__name__] += 1
+        launches[counter.scope][self.__name__] += 1
         if stub[0]:
             return None
         counter.paused = True  # the interpreter's own tensor traffic is no launch of ours
@@ -98,36 +104,57 @@ def main() -> None:
         finally:
             counter.paused = False
 
+    # What runs inside a layer's attention, apart from the step's own: the runner calls
+    # ``attend_heads`` (``attend`` before the heads' views were made once a step).
+    name = "attend_heads" if hasattr(model.layers[0].attention, "attend_heads") else "attend"
+    for layer in model.layers:
+        attend = getattr(layer.attention, name)
+
+        def scoped(*a, attend=attend, **kw):
+            counter.scope = "layer"
+            try:
+                return attend(*a, **kw)
+            finally:
+                counter.scope = "step"
+
+        setattr(layer.attention, name, scoped)
     InterpretedFunction.run = counted_run
     try:
         with torch.inference_mode():
-            runner.forward(ids, positions, cache.layers, meta)  # warm-up: JIT, caches
-            launches.clear()
+            runner.forward(ids, positions, cache.layers, steps[0][1])  # warm-up: JIT, caches
+            for c in launches.values():
+                c.clear()
             with counter:
-                runner.forward(ids, positions, cache.layers, meta)
-            counted = dict(launches)
+                runner.forward(ids, positions, cache.layers, steps[1][1])
+            counted = {scope: dict(c) for scope, c in launches.items()}
             stub[0] = True
             t0 = time.perf_counter()
-            for _ in range(args.repeats):
+            for _, meta in steps[2:]:
                 runner.forward(ids, positions, cache.layers, meta)
             host_s = (time.perf_counter() - t0) / args.repeats
     finally:
         InterpretedFunction.run = run
 
     layers = len(model.layers)
-    kernel_ops = {k: v for k, v in counter.ops.items() if k not in NO_KERNEL}
-    view_ops = {k: v for k, v in counter.ops.items() if k in NO_KERNEL}
+
+    def split(scope: str, per: int) -> dict:
+        ops = counter.ops[scope]
+        kernels = {k: v for k, v in ops.items() if k not in NO_KERNEL}
+        views = {k: v for k, v in ops.items() if k in NO_KERNEL}
+        return {
+            "triton_launches": sum(counted[scope].values()) / per, "torch_kernel_ops": sum(kernels.values()) / per,
+            "torch_view_or_alloc_ops": sum(views.values()) / per,
+            "detail": {"triton": counted[scope], "torch_kernel_ops": kernels, "torch_view_or_alloc_ops": views},
+        }
+
     print(json.dumps({
         "preset": args.preset, "layers": layers, "decodes": args.decodes, "prompt": args.prompt,
-        "per_layer": {
-            "triton_launches": sum(counted.values()) / layers,
-            "torch_kernel_ops": sum(kernel_ops.values()) / layers,
-            "torch_view_or_alloc_ops": sum(view_ops.values()) / layers,
-            "host_us_stubbed": round(host_s / layers * 1e6, 1),
-        },
-        "step_total": {"triton": counted, "torch_kernel_ops": kernel_ops, "torch_view_or_alloc_ops": view_ops},
+        # Inside the layers' attention, per layer (the details: over all layers of the step).
+        "per_layer": split("layer", layers),
+        # The rest of the step's eager part, once a step (the segments' replays not counted).
+        "per_step": split("step", 1),
+        "host_us_per_layer_stubbed": round(host_s / layers * 1e6, 1),
     }))
-
 
 if __name__ == "__main__":
     main()
