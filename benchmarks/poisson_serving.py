@@ -36,6 +36,9 @@ Each row (one per policy) in the JSON under benchmarks/results/:
   ttft_predictions, ttft_prediction_error_median, ttft_predictions_within_25pct: the admission's TTFT
     predictions in the timed run against the measured TTFT (the server's spark_ttft_prediction_error_ratio
     histogram; the median interpolated within its bucket; absent when nothing was predicted).
+  server_itl_p50_ms / server_itl_p99_ms, server_step_p50_ms / server_step_p99_ms: the server's own time
+    between a stream's tokens (where its streamer hands them on: before HTTP and the client) and its
+    step times, from its /metrics histograms' growth over the timed run (linear within a bucket).
   itl_p50_ms / itl_p99_ms: time between tokens, all streams pooled: the gap before a content chunk
     spread over the tokens it carries (its usage says how many; as SGLang's bench_serving does). A chunk
     carries several when the detokenizer held text back (random tokens: bytes of one character), so
@@ -238,33 +241,67 @@ def decode_step_ms(snapshots: list[tuple[float, dict]], rows: float | None) -> f
     return round(estimate, 2) if estimate > 0 else None
 
 
-def error_buckets(url: str) -> dict[float, float]:
-    """The cumulative buckets (upper bound -> count) of the server's |predicted - measured| / measured TTFT."""
+def histogram_buckets(url: str, name: str) -> dict[float, float]:
+    """The cumulative buckets (upper bound -> count) of the server's histogram ``name``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
     return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "spark_ttft_prediction_error_ratio_bucket"}
+            if s.name == name + "_bucket"}
+
+
+# The server's histograms a run reads the growth of: TTFT prediction error, time between tokens, step time.
+HISTOGRAMS = ("spark_ttft_prediction_error_ratio", "spark_inter_token_latency_seconds", "spark_step_seconds")
+
+
+def server_histograms(url: str) -> dict[str, dict[float, float]]:
+    return {name: histogram_buckets(url, name) for name in HISTOGRAMS}
+
+
+def bucket_quantile(grown: list[tuple[float, float]], q: float) -> float | None:
+    """The ``q`` quantile of cumulative buckets ``(upper bound, count)``, linear within its bucket; None
+    when empty or past the last finite bound."""
+    total = grown[-1][1] if grown else 0.0
+    if not total:
+        return None
+    lower, below = 0.0, 0.0
+    for le, count in grown:
+        if count >= q * total:
+            if le == float("inf"):
+                return None
+            return lower + (le - lower) * (q * total - below) / ((count - below) or 1.0)
+        lower, below = le, count
+    return None
+
+
+def growth(before: dict[float, float], after: dict[float, float]) -> list[tuple[float, float]]:
+    return sorted((le, after[le] - before.get(le, 0.0)) for le in after)
 
 
 def prediction_error(before: dict[float, float], after: dict[float, float]) -> dict:
     """The timed run's TTFT prediction error from the histogram's growth: its median (linear within the
     bucket it falls in) and the share at most 0.25; empty when the server predicted nothing."""
-    grown = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    grown = growth(before, after)
     total = grown[-1][1] if grown else 0.0
     if not total:
         return {}
-    median, lower, below = None, 0.0, 0.0
-    for le, count in grown:
-        if count >= total / 2:
-            width = count - below
-            median = le if le == float("inf") else lower + (le - lower) * (total / 2 - below) / (width or 1.0)
-            break
-        lower, below = le, count
+    median = bucket_quantile(grown, 0.5)
     within = next(count for le, count in grown if le >= 0.25) / total
-    return {"ttft_predictions": int(total), "ttft_prediction_error_median": None if median in (None, float("inf"))
+    return {"ttft_predictions": int(total), "ttft_prediction_error_median": None if median is None
             else round(median, 3), "ttft_predictions_within_25pct": round(within, 3)}
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """The server's own view of the timed run: its time between tokens (each stream's, where the
+    streamer hands tokens on, before HTTP and the client) and its step times, p50/p99 in ms."""
+    row = prediction_error(before["spark_ttft_prediction_error_ratio"], after["spark_ttft_prediction_error_ratio"])
+    for key, name in (("server_itl", "spark_inter_token_latency_seconds"), ("server_step", "spark_step_seconds")):
+        grown = growth(before[name], after[name])
+        for q in (0.5, 0.99):
+            value = bucket_quantile(grown, q)
+            row[f"{key}_p{round(q * 100)}_ms"] = None if value is None else round(1000 * value, 2)
+    return row
 
 
 def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str]) -> dict:
@@ -284,7 +321,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
             warm = warmup_prompts(args)
             spread_load(url, warm, len(warm), 4, min(args.load_procs, len(warm)))
         kernels = triton_kernels()
-        errors_before = error_buckets(url)
+        histograms_before = server_histograms(url)
 
         def sample() -> None:
             while True:
@@ -298,7 +335,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         stop.set()
         sampler.join()
         snapshots.append((time.time(), step_totals(url)))
-        predicted = prediction_error(errors_before, error_buckets(url))
+        observed = server_side(histograms_before, server_histograms(url))
         compiled = len(triton_kernels() - kernels)
     finally:
         stop.set()
@@ -336,7 +373,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         "output_tok_s": round(pooled["output_tokens"] / wall, 1), **latency,
         "chunk_gap_p50_ms": round(1000 * percentile([g for r in ok for g in r["gaps"]] or [0.0], 0.5), 2),
         "chunk_gap_p99_ms": round(1000 * percentile([g for r in ok for g in r["gaps"]] or [0.0], 0.99), 2),
-        "ttft_max_ms": round(1000 * max(pooled["ttft"] or [0.0]), 1), **predicted,
+        "ttft_max_ms": round(1000 * max(pooled["ttft"] or [0.0]), 1), **observed,
         "ttft_from_arrival_p99_ms": round(1000 * percentile(
             [r["sent"] - r["due"] + r["ttft"] for r in ok if r["ttft"] is not None] or [0.0], 0.99), 1),
         "completed": len(ok), "refused": len(refused), "refused_by_status": by_status,
@@ -365,7 +402,8 @@ def device_name() -> str:
 
 def table(rows: list[dict]) -> str:
     fields = ["requests", "completed", "refused", "errors", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-              "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_chunk", "decode_step_ms",
+              "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "server_itl_p99_ms", "server_step_p99_ms", "tokens_per_chunk",
+              "ttft_prediction_error_median", "decode_step_ms",
               "itl_p99_over_decode_step", "step_ms_mean", "decode_rows_mean", "prefill_tokens_mean",
               "streams_mean", "streams_peak", "send_lag_p99_ms", "load_cpu_cores"]
     lines = [f"{'':26}" + "".join(f"{r['policy']:>12}" for r in rows)]

@@ -9,9 +9,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from spark.actors.admission import TtftPredictor
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+# Fine around 20-100 ms, where time-between-token targets (SLAI's) and their misses lie.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5,
+                    10, 30, 60)
 
-_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.2, 0.5, 1)
 _ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
 _PREFILL_BUCKETS = (0, 128, 512, 1024, 2048, 4096, 8192, 16384)
 
