@@ -49,6 +49,26 @@ class Scenario:
     long_max_tokens: int = 4
     warmup: float = 0.5  # streams decode alone this long first (the cost model learns the step time)
     seed: int = 0
+    # A step time no line follows, as on a GPU: its tokens padded up to a power of two (graph buckets),
+    # times a random factor (log-normal, this sigma). 0 / 0.0: the plain line above.
+    pad_to_power_of_two: bool = False
+    noise_sigma: float = 0.0
+
+    def step_cost(self):
+        """The simulated engine's step time as a function of the step's tokens."""
+        rng = random.Random(self.seed + 1)
+
+        def cost(tokens: int) -> float:
+            if self.pad_to_power_of_two and tokens > 1:
+                tokens = 1 << (tokens - 1).bit_length()
+            seconds = self.step_base + self.step_per_token * tokens
+            return seconds * (rng.lognormvariate(0.0, self.noise_sigma) if self.noise_sigma else 1.0)
+
+        return cost
+
+
+# The rough step time: what SLAI's fit under-predicts unless it keeps its recent overruns back.
+ROUGH = dict(pad_to_power_of_two=True, noise_sigma=0.1)
 
 
 @attrs.frozen
@@ -86,8 +106,8 @@ def run(policy: str, scenario: Scenario = Scenario()) -> Result:
         The token gaps of the streams and the TTFTs of the long prompts.
     """
     clock = FakeClock()
-    engine = SimulatedEngine(clock, base=scenario.step_base, per_token=scenario.step_per_token,
-                             num_pages=1 + 4096, page_size=16, max_model_len=1 << 16)
+    engine = SimulatedEngine(clock, cost=scenario.step_cost(), num_pages=1 + 4096, page_size=16,
+                             max_model_len=1 << 16)
     config = ServeConfig(
         scheduler=policy, max_prefill_tokens=scenario.max_prefill_tokens,
         tbt_deadline_ms=1000 * scenario.tbt_deadline, max_batch_size=64, max_waiting=256,
@@ -142,8 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--interval", type=float, default=defaults.long_interval, help="mean seconds between long prompts")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--rough", action="store_true",
+                        help="step times padded to powers of two and noisy (10%%), which a line cannot follow")
     args = parser.parse_args(argv)
-    scenario = Scenario(num_long_prompts=args.long_prompts, long_interval=args.interval, seed=args.seed)
+    scenario = Scenario(num_long_prompts=args.long_prompts, long_interval=args.interval, seed=args.seed,
+                        **(ROUGH if args.rough else {}))
     results = {policy: run(policy, scenario) for policy in ("fifo", "slai")}
     print(f"step = {1000 * scenario.step_base:g} ms + {1000 * scenario.step_per_token:g} ms/token, "
           f"TBT deadline {1000 * scenario.tbt_deadline:g} ms, {scenario.num_streams} streams, "

@@ -5,7 +5,8 @@ matmul) and with its prefill tokens (compute), on top of a fixed part (the weigh
 launches, the host). ``StepTimeModel`` fits ``seconds ~ base + per_row * rows + per_token * tokens``
 by least squares over the latest steps; while the steps cannot tell the two slopes apart (decodes
 alone), a prompt token is priced as a decode row. SLAI reads it to size a step's
-prefill so that running streams keep their time between tokens (``policies/slai.py``); the ingress
+prefill so that running streams keep their time between tokens (``policies/slai.py``), less the
+overrun that the latest steps with prompt tokens showed beyond the fit; the ingress
 reads it to predict a new request's time to first token (``actors/admission.py``).
 """
 
@@ -41,8 +42,14 @@ class StepTimeModel:
 
     _RESUM = 4096  # steps between exact recomputations of the sums (float drift of adding and removing)
 
-    def __init__(self, window: int = 256, ridge: float = 1e-6):
+    def __init__(self, window: int = 256, ridge: float = 1e-6, overrun_quantile: float = 0.9):
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        # How much longer than the fit said the latest steps with prompt tokens took: a line cannot
+        # follow every step (padding to a graph's bucket, attention over long contexts, the host), and
+        # SLAI's deadlines are missed exactly where it under-predicts.
+        self._overruns: deque[float] = deque(maxlen=window // 2)
+        self._overrun_quantile = overrun_quantile
+        self._overrun: float | None = 0.0
         self._ridge = ridge
         self._sums = [0.0] * 8  # r, t, s, rr, tt, rt, rs, ts
         self._since_resum = 0
@@ -55,6 +62,10 @@ class StepTimeModel:
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         if seconds <= 0 or not (decode_rows or prefill_tokens):
             return
+        fit = self.fit() if prefill_tokens else None
+        if fit is not None:  # judged by the fit that planned it, before the step joins the fit
+            self._overruns.append(seconds - fit.seconds(decode_rows, prefill_tokens))
+            self._overrun = None
         if len(self._steps) == self._steps.maxlen:
             self._add(*self._steps[0], sign=-1.0)
         step = (decode_rows, prefill_tokens, seconds)
@@ -70,6 +81,14 @@ class StepTimeModel:
     def _add(self, r: int, t: int, s: float, *, sign: float) -> None:
         for i, v in enumerate((r, t, s, r * r, t * t, r * t, r * s, t * s)):
             self._sums[i] += sign * v
+
+    def overrun(self) -> float:
+        """Seconds that a step with prompt tokens took beyond the fit, at the ``overrun_quantile`` of the
+        latest such steps (never below 0): what a deadline needs on top of the fit's prediction."""
+        if self._overrun is None:
+            ordered = sorted(self._overruns)
+            self._overrun = max(0.0, ordered[min(len(ordered) - 1, int(self._overrun_quantile * len(ordered)))])
+        return self._overrun
 
     def fit(self) -> StepTime | None:
         """The fitted model, or None before 3 steps or while every step computed as many tokens."""

@@ -278,16 +278,18 @@ class FakeClock:
 
 
 class SimulatedEngine(EngineDouble):
-    """The double whose steps take ``base + per_token * tokens`` seconds of ``clock`` (at collect)."""
+    """The double whose steps take ``base + per_token * tokens`` seconds of ``clock`` (at collect), or
+    what ``cost(tokens)`` says when given (a step time no line follows)."""
 
-    def __init__(self, clock: FakeClock, *, base: float = 0.005, per_token: float = 0.00025, **kwargs):
+    def __init__(self, clock: FakeClock, *, base: float = 0.005, per_token: float = 0.00025, cost=None, **kwargs):
         super().__init__(**kwargs)
         self.clock, self.base, self.per_token = clock, base, per_token
+        self.cost = cost or (lambda tokens: self.base + self.per_token * tokens)
         self._costs: deque[float] = deque()
 
     def launch(self, plan: StepPlan) -> None:
         super().launch(plan)
-        self._costs.append(self.base + self.per_token * sum(c.num_tokens for c in plan.chunks))
+        self._costs.append(self.cost(sum(c.num_tokens for c in plan.chunks)))
 
     def collect(self) -> list[TokenOutput]:
         self.clock.advance(self._costs.popleft())

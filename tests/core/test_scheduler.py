@@ -368,6 +368,26 @@ def test_step_time_model_says_nothing_until_the_data_can_tell():
     assert model.fit().per_token == pytest.approx(0.0001, rel=1e-3)
 
 
+def test_the_overrun_of_steps_with_prompts_is_kept_back_from_slai_budgets():
+    """Steps with prompt tokens that keep taking 10 ms longer than the line says (padding to a graph
+    bucket, the host): the model reports that overrun, and SLAI's budget leaves room for it."""
+    from spark.core.policies.slai import prefill_within
+
+    model = StepTimeModel()
+    for rows, tokens in ((1, 0), (8, 0), (64, 0), (16, 0)) * 4:  # decodes alone: the line's own steps
+        model.observe(rows, tokens, 0.007 + 0.0002 * rows)
+    assert model.overrun() == 0.0  # nothing with prompt tokens yet
+    for tokens in (64, 512, 256, 1024, 128) * 8:
+        model.observe(8, tokens, 0.007 + 0.0002 * 8 + 0.0003 * tokens + 0.010)
+    overrun = model.overrun()
+    assert 0.005 < overrun < 0.020
+    fit = model.fit()
+    plain = prefill_within(fit, 0.1, 8, 8192, 16)
+    hedged = prefill_within(fit, 0.1, 8, 8192, 16, overrun)
+    assert hedged == pytest.approx(plain - overrun / fit.per_token, abs=2) and hedged < plain
+    assert fit.seconds(8, hedged) + overrun <= 0.9 * 0.1 + 1e-9
+
+
 # -- pipelined planning ------------------------------------------------------------
 
 @pytest.mark.parametrize("depth", [2, 3])

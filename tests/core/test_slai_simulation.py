@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.slai_simulation import Scenario, percentile, run
+from benchmarks.slai_simulation import ROUGH, Scenario, percentile, run
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +36,12 @@ def test_percentile_is_nearest_rank():
     values = list(range(1, 101))
     assert (percentile(values, 0.5), percentile(values, 0.99), percentile(values, 1.0)) == (50, 99, 100)
     assert percentile([3.0], 0.99) == 3.0
+
+
+def test_slai_keeps_most_gaps_within_the_deadline_when_step_times_are_rough():
+    """Step times padded to powers of two and noisy: the line SLAI fits misses some steps (the first
+    padded ones, before it learns), but far fewer gaps pass the deadline than under FIFO."""
+    scenario = Scenario(**ROUGH)
+    late = {policy: sum(g > scenario.tbt_deadline for g in r.gaps) / len(r.gaps)
+            for policy, r in ((p, run(p, scenario)) for p in ("fifo", "slai"))}
+    assert late["slai"] <= 0.02 and late["fifo"] >= 5 * late["slai"], late

@@ -5,8 +5,9 @@ Every running stream has a time-between-tokens deadline: its last token's time p
 time model (``core/step_model.py``: seconds ~ base + per_row * decode rows + per_token * prefill
 tokens, learnt online) says fits beside the step's decodes before the tightest deadline, so long
 prompts are cut into chunks small enough that running streams never stall, and never below
-``min_prefill_chunk``, so that prompts still move. When pages run out, the streams closest to
-their deadline decode first.
+``min_prefill_chunk``, so that prompts still move. What the model under-predicted lately (its
+overrun on steps with prompt tokens, ``StepTimeModel.overrun``) is kept back from the slack. When
+pages run out, the streams closest to their deadline decode first.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from spark.core.step_model import StepTimeModel
 MARGIN = 0.9  # of the slack a step may use: the rest is the step's own host overhead and noise
 
 
-def prefill_within(fit, slack: float, decode_rows: int, max_prefill_tokens: int, min_prefill_chunk: int) -> int:
+def prefill_within(fit, slack: float, decode_rows: int, max_prefill_tokens: int, min_prefill_chunk: int,
+                   overrun: float = 0.0) -> int:
     """The prompt tokens a step beside ``decode_rows`` decodes may take to end within ``slack`` seconds,
-    as the step time ``fit`` (``StepTime``) says: never below ``min_prefill_chunk``, so prompts move."""
-    fits = fit.tokens_within(MARGIN * slack, decode_rows)
+    as the step time ``fit`` (``StepTime``) says, ``overrun`` seconds kept back for its error: never below
+    ``min_prefill_chunk``, so prompts move."""
+    fits = fit.tokens_within(MARGIN * slack - overrun, decode_rows)
     return max(min_prefill_chunk, min(max_prefill_tokens, fits))
 
 
@@ -42,7 +45,8 @@ class Slai:
         if not running or fit is None:
             return self.max_prefill_tokens
         slack = min(self.deadline(s) for s in running) - now
-        return prefill_within(fit, slack, num_decodes, self.max_prefill_tokens, self.min_prefill_chunk)
+        return prefill_within(fit, slack, num_decodes, self.max_prefill_tokens, self.min_prefill_chunk,
+                              self.step_time.overrun())
 
     def observe_step(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         self.step_time.observe(decode_rows, prefill_tokens, seconds)
