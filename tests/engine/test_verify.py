@@ -17,7 +17,6 @@ import torch
 from spark.core.page_allocator import PageAllocator
 from spark.core.plan import Chunk, StepPlan
 from spark.core.speculation import SpecConfig
-from spark.engine.attention import AttentionMetadata, leading_single_rows
 from spark.engine.cuda_graphs import DecodeGraphs
 from spark.engine.engine import Engine
 from spark.engine.kv_cache import KVCache
@@ -27,8 +26,8 @@ from spark.engine.sampling import SamplingParams
 from spark.engine.verify import decode_rows
 from spark.engine.weights import iter_weights, resolve_model
 from spark.serve_config import ServeConfig
+from tests.engine.kernels.test_model_ops import PAGE, _step
 
-PAGE = 4
 OPS = [TorchOps, CpuOps, TritonOps]
 
 
@@ -62,21 +61,7 @@ def test_verify_graphs_are_planned_only_for_an_engine_that_speculates():
 
 def _meta(chunks, decode_only=False, writes_first=False):
     """(positions, meta) of chunks (seq, first position, tokens); seq b owns pages 8b..8b+7."""
-    slots, qsl, lens, tables, positions = [], [0], [], [], []
-    for b, start, n in chunks:
-        table = list(range(8 * b, 8 * b + 8))
-        positions += range(start, start + n)
-        slots += [table[p // PAGE] * PAGE + p % PAGE for p in range(start, start + n)]
-        qsl.append(qsl[-1] + n)
-        lens.append(start + n)
-        tables.append(table)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-        decode_only=decode_only, max_query_len=max(n for _, _, n in chunks), num_single=leading_single_rows(qsl),
-        writes_first=writes_first,
-    )
-    return torch.tensor(positions), meta
+    return _step(chunks, decode_only, writes_first)
 
 
 def _as_rows(chunks):

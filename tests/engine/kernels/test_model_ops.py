@@ -31,7 +31,7 @@ def _model(source, ops, dtype, num_seqs=3):
     return net, KVCache(source.config, 8 * num_seqs, PAGE, dtype, torch.device("cpu"))
 
 
-def _step(chunks, decode_only):
+def _step(chunks, decode_only, writes_first=False):
     """(positions, meta) of a step of chunks (seq, first position, tokens); seq b owns pages 8b..8b+7."""
     slots, qsl, lens, tables, positions = [], [0], [], [], []
     for b, start, n in chunks:
@@ -45,6 +45,7 @@ def _step(chunks, decode_only):
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
         decode_only=decode_only, max_query_len=max(n for _, _, n in chunks), num_single=leading_single_rows(qsl),
+        writes_first=writes_first,
     )
     return torch.tensor(positions), meta
 
