@@ -211,12 +211,13 @@ class CpuOps(TorchOps):
     reference.
     """
 
+    fuses_one_row = True
     rope = staticmethod(_rope_cos_sin_full)
     rms_norm = staticmethod(_rms_norm_cpu)
     add_rms_norm = staticmethod(_add_rms_norm_cpu)
 
     def __init__(self):
-        self._context = None  # (meta, slots [B, L], mask [B, 1, 1, L] or None) of the last decode step
+        self._context = None  # (meta, and what _decode_context returns) of the last decode step
         self._writes = None  # (meta, the slots its K/V go to) of the last decode step
 
     def _write_slots(self, meta: AttentionMetadata) -> torch.Tensor:
@@ -235,7 +236,36 @@ class CpuOps(TorchOps):
                                                    meta, scale, out)
         heads = q.shape[1]
         qk = _rotate(torch.cat((q, k), 1), cos, sin)  # q and k rotated as one [T, H + Hkv, Dh]
-        q, k = qk[:, :heads], qk[:, heads:]
+        attn = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, scale)
+        return attn if out is None else out.copy_(attn)
+
+    def block_one_row(self, block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta: AttentionMetadata):
+        """A dense block for one token: h is the residual stream [1, D]; returns the next.
+
+        The block's math in straight-line code, with the fewest ops: q and k are one view of
+        the qkv product (already side by side there), and each residual add is done where
+        its sublayer ends rather than in the next norm (the same sums, in the same dtype).
+        A block with a per-head q/k norm, or under tensor parallelism, takes the generic path.
+        """
+        attn, ffn = block.attention, block.feed_forward
+        if attn.q_norm is not None or block.tp.world_size > 1 or not meta.decode_only:
+            x, residual = block(h, None, rope, k_cache, v_cache, meta)
+            return x + residual
+        norm = block.attention_norm
+        qkv = attn.wqkv(_rms_norm_cpu(h, norm.weight, norm.eps))  # [1, q + 2 kv]
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        split = (heads + kv_heads) * head_dim
+        qk = _rotate(qkv[:, :split].view(1, heads + kv_heads, head_dim), *rope)
+        v = qkv[:, split:].view(1, kv_heads, head_dim)
+        a = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, attn.scale)
+        h = h + attn.wo(a.view(1, heads * head_dim))
+        norm = block.ffn_norm
+        gate, up = ffn.w13(_rms_norm_cpu(h, norm.weight, norm.eps)).split(ffn.w13.out_features // 2, dim=-1)
+        return h + ffn.w2(F.silu(gate) * up)
+
+    def _decode_attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode step's attention of rotated q [T, H, Dh] (T = B), this step's k, v [T, Hkv, Dh] written
+        first. Returns [T, H, Dh]."""
         (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
@@ -245,29 +275,41 @@ class CpuOps(TorchOps):
             k, v = fp8.quantize_reference(k, k_scale).view(torch.uint8), fp8.quantize_reference(v, v_scale).view(torch.uint8)
         k_flat.index_copy_(0, write, k)
         v_flat.index_copy_(0, write, v)
-        slots, mask = self._decode_context(meta, page_size)
-        batch, length = slots.shape
-        flat = slots.view(-1)
-        keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
-        values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
+        slots, length, mask = self._decode_context(meta, page_size)
+        if isinstance(slots, int):  # one sequence whose pages lie in a row: its context is a view of the cache
+            batch = 1
+            keys = k_flat.narrow(0, slots, length)[None]
+            values = v_flat.narrow(0, slots, length)[None]
+        else:
+            batch = slots.shape[0]
+            flat = slots.view(-1)
+            keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
+            values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
         if k_scale is not None:
             keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
             values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
-        attn = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, head_dim), keys, values,
+        return F.scaled_dot_product_attention(q.reshape(batch, num_kv_heads, -1, head_dim), keys, values,
                                               attn_mask=mask, scale=scale).view(q.shape)
-        return attn if out is None else out.copy_(attn)
 
     def _decode_context(self, meta: AttentionMetadata, page_size: int):
-        """(flat cache slots [B, L] of every sequence's context, padded with page 0; the mask of the
-        real keys [B, 1, 1, L], or None when every context has the longest's length)."""
+        """(where every sequence's context lies, its length L, the mask of the real keys [B, 1, 1, L] or None
+        when every context has the longest's length). Where: the first flat cache slot, when there is one
+        sequence and its pages lie in a row (as an allocator gives a lone stream's out); else the flat
+        slots [B, L], padded with page 0."""
         if self._context is not None and self._context[0] is meta:
             return self._context[1:]
         lens = meta.seq_lens.long()
         longest = int(lens.max())
+        pages = -(-longest // page_size)
+        if lens.shape[0] == 1:
+            table = meta.block_tables[0, :pages].tolist()
+            if table == list(range(table[0], table[0] + pages)):
+                self._context = (meta, table[0] * page_size, longest, None)
+                return self._context[1:]
         pos = torch.arange(longest, device=lens.device)
         slots = meta.block_tables.long()[:, pos // page_size] * page_size + pos % page_size
         mask = None if int(lens.min()) == longest else (pos < lens[:, None])[:, None, None, :]
-        self._context = (meta, slots, mask)
-        return slots, mask
+        self._context = (meta, slots, longest, mask)
+        return slots, longest, mask
