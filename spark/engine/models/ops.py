@@ -180,9 +180,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``norm.rms_norm_reference`` bit for bit, its fp32 arithmetic in one C++ op (``F.rms_norm`` without
+    """``norm.rms_norm_reference`` bit for bit, its fp32 arithmetic in one C++ op (``rms_norm`` without
     a weight rounds ``x / rms(x)`` to x's dtype, as the reference does, before the weight's product)."""
-    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps)).to(x.dtype)
+    y = weight * torch.rms_norm(x, (x.shape[-1],), None, eps)
+    return y if y.dtype == x.dtype else y.to(x.dtype)  # (a cast to its own dtype still costs a dispatch)
 
 
 def _add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -252,16 +253,17 @@ class CpuOps(TorchOps):
             x, residual = block(h, None, rope, k_cache, v_cache, meta)
             return x + residual
         norm = block.attention_norm
-        qkv = attn.wqkv(_rms_norm_cpu(h, norm.weight, norm.eps))  # [1, q + 2 kv]
+        # The linears' forward() itself: their modules have no hooks, and __call__ costs a microsecond.
+        qkv = attn.wqkv.forward(_rms_norm_cpu(h, norm.weight, norm.eps))  # [1, q + 2 kv]
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         split = (heads + kv_heads) * head_dim
         qk = _rotate(qkv[:, :split].view(1, heads + kv_heads, head_dim), *rope)
         v = qkv[:, split:].view(1, kv_heads, head_dim)
         a = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, attn.scale)
-        h = h + attn.wo(a.view(1, heads * head_dim))
+        h = h + attn.wo.forward(a.view(1, heads * head_dim))
         norm = block.ffn_norm
-        gate, up = ffn.w13(_rms_norm_cpu(h, norm.weight, norm.eps)).split(ffn.w13.out_features // 2, dim=-1)
-        return h + ffn.w2(F.silu(gate) * up)
+        gate, up = ffn.w13.forward(_rms_norm_cpu(h, norm.weight, norm.eps)).split(ffn.w13.out_features // 2, dim=-1)
+        return h + ffn.w2.forward(F.silu(gate) * up)
 
     def _decode_attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step's attention of rotated q [T, H, Dh] (T = B), this step's k, v [T, Hkv, Dh] written
@@ -276,19 +278,22 @@ class CpuOps(TorchOps):
         k_flat.index_copy_(0, write, k)
         v_flat.index_copy_(0, write, v)
         slots, length, mask = self._decode_context(meta, page_size)
-        if isinstance(slots, int):  # one sequence whose pages lie in a row: its context is a view of the cache
-            batch = 1
-            keys = k_flat.narrow(0, slots, length)[None]
-            values = v_flat.narrow(0, slots, length)[None]
+        if isinstance(slots, int) and k_scale is None:
+            # One sequence whose pages lie in a row: its context is a view of the cache, [1, Hkv, L, Dh].
+            batch, shape, strides = 1, (1, num_kv_heads, length, head_dim), (0, head_dim, num_kv_heads * head_dim, 1)
+            keys = k_flat.as_strided(shape, strides, k_flat.storage_offset() + slots * num_kv_heads * head_dim)
+            values = v_flat.as_strided(shape, strides, v_flat.storage_offset() + slots * num_kv_heads * head_dim)
         else:
+            if isinstance(slots, int):
+                slots = torch.arange(slots, slots + length, device=k_flat.device)[None]
             batch = slots.shape[0]
             flat = slots.view(-1)
             keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
             values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
-        if k_scale is not None:
-            keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
-            values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+            if k_scale is not None:
+                keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
+                values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
         return F.scaled_dot_product_attention(q.reshape(batch, num_kv_heads, -1, head_dim), keys, values,
                                               attn_mask=mask, scale=scale).view(q.shape)
