@@ -193,6 +193,22 @@ def _add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return _rms_norm_cpu(h, weight, eps), h
 
 
+def _one_row_plan(block) -> tuple | bool:
+    """What ``CpuOps.block_one_row`` reads of a dense block, as plain references (the linears as their
+    kernels' calls, ``forward`` for those without one); False for a block it leaves to the generic path.
+    Kept on the block: its linears and norms are packed and loaded before its first step."""
+    attn, ffn = block.attention, block.feed_forward
+    if attn.q_norm is not None or block.tp.world_size > 1:
+        return False
+
+    def call(linear):
+        return linear.kernel() if hasattr(linear, "kernel") else linear.forward
+
+    return (block.attention_norm.weight, block.attention_norm.eps, call(attn.wqkv), attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, attn.scale, call(attn.wo), block.ffn_norm.weight,
+            block.ffn_norm.eps, call(ffn.w13), ffn.w13.out_features // 2, call(ffn.w2))
+
+
 class CpuOps(TorchOps):
     """The CPU's path: the references' math in fewer, larger torch ops.
 
@@ -246,24 +262,24 @@ class CpuOps(TorchOps):
         The block's math in straight-line code, with the fewest ops: q and k are one view of
         the qkv product (already side by side there), and each residual add is done where
         its sublayer ends rather than in the next norm (the same sums, in the same dtype).
-        A block with a per-head q/k norm, or under tensor parallelism, takes the generic path.
+        What it reads of the block is gathered once (``_one_row_plan``): each module attribute
+        costs a lookup through ``nn.Module.__getattr__``. A block with a per-head q/k norm, or
+        under tensor parallelism, takes the generic path.
         """
-        attn, ffn = block.attention, block.feed_forward
-        if attn.q_norm is not None or block.tp.world_size > 1 or not meta.decode_only:
+        plan = block.__dict__.get("_cpu_one_row")
+        if plan is None:
+            plan = block.__dict__["_cpu_one_row"] = _one_row_plan(block)
+        if not plan or not meta.decode_only:
             x, residual = block(h, None, rope, k_cache, v_cache, meta)
             return x + residual
-        norm = block.attention_norm
-        # The linears' forward() itself: their modules have no hooks, and __call__ costs a microsecond.
-        qkv = attn.wqkv.forward(_rms_norm_cpu(h, norm.weight, norm.eps))  # [1, q + 2 kv]
-        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        split = (heads + kv_heads) * head_dim
-        qk = _rotate(qkv[:, :split].view(1, heads + kv_heads, head_dim), *rope)
-        v = qkv[:, split:].view(1, kv_heads, head_dim)
-        a = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, attn.scale)
-        h = h + attn.wo.forward(a.view(1, heads * head_dim))
-        norm = block.ffn_norm
-        gate, up = ffn.w13.forward(_rms_norm_cpu(h, norm.weight, norm.eps)).split(ffn.w13.out_features // 2, dim=-1)
-        return h + ffn.w2.forward(F.silu(gate) * up)
+        norm1, eps1, wqkv, heads, kv_heads, head_dim, scale, wo, norm2, eps2, w13, inter, w2 = plan
+        qkv = wqkv(_rms_norm_cpu(h, norm1, eps1))  # [1, q + 2 kv]
+        qk = _rotate(qkv[:, :(heads + kv_heads) * head_dim].view(1, heads + kv_heads, head_dim), *rope)
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(1, kv_heads, head_dim)
+        a = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, scale)
+        h = h + wo(a.view(1, heads * head_dim))
+        gate, up = w13(_rms_norm_cpu(h, norm2, eps2)).split(inter, dim=-1)
+        return h + w2(F.silu(gate) * up)
 
     def _decode_attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step's attention of rotated q [T, H, Dh] (T = B), this step's k, v [T, Hkv, Dh] written

@@ -67,6 +67,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _int4_mm(x, self.packed, GROUP, self.scales_zeros)
 
+    def kernel(self):
+        """``forward`` as a function that holds the tensors: no module attribute lookups a call."""
+        packed, scales_zeros = self.packed, self.scales_zeros
+        return lambda x: _int4_mm(x, packed, GROUP, scales_zeros)
+
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [N, K], float32 scale [N]): symmetric per-row quantization, ``w ~ q * scale``.
