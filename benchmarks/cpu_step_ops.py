@@ -1,6 +1,6 @@
 """The torch ops of one batch-1 decode step on the CPU, per layer and outside the layers, and its time.
 
-    python benchmarks/cpu_step_ops.py [--context 64] [--steps 200] [--repeats 5] [--top 12]
+    python benchmarks/cpu_step_ops.py [--context 64] [--steps 200] [--repeats 5] [--top 12] [--fragmented] [--ab]
 
 The default model (SmolLM2-135M, the CPU's default weight format), one greedy sequence
 decoding after a prompt of ``--context`` tokens. Ops are counted with a ``TorchDispatchMode``
@@ -42,19 +42,36 @@ class Counter(TorchDispatchMode):
 
 
 class Decoder:
-    """One greedy sequence on ``engine``, a decode step per ``step()``."""
+    """One greedy sequence on ``engine``, a decode step per ``step()``. ``fragmented``: its pages are
+    every other one (another holder takes a page beside each of its own), as a server's prefix cache
+    leaves them; else they lie in a row, as a fresh allocator gives them out."""
 
-    def __init__(self, engine: Engine, context: int, sid="s"):
-        self.engine, self.sid = engine, sid
+    def __init__(self, engine: Engine, context: int, sid="s", fragmented: bool = False):
+        self.engine, self.sid, self.fragmented = engine, sid, fragmented
         self.alloc = engine.new_page_allocator()
         prompt = [(7 * i) % 1000 + 100 for i in range(context)]
         engine.add_sequence(sid, prompt, SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
-        engine.step(StepPlan((Chunk(sid, context, self.alloc.allocate(sid, context)),)))
+        if fragmented:
+            self.alloc.allocate("other", 1)
+            table = self.alloc.allocate(sid, 1)
+            for n in range(engine.page_size + 1, context + 1, engine.page_size):
+                self._interleave(n)
+        engine.step(StepPlan((Chunk(sid, context, self._table(context)),)))
         self.tokens: list[int] = []
+
+    def _interleave(self, n: int) -> None:
+        other = len(self.alloc._tables["other"])
+        self.alloc.append("other", (other + 1) * self.engine.page_size)
+        self.alloc.append(self.sid, n)
+
+    def _table(self, n: int):
+        if self.fragmented and self.alloc.pages_missing(self.sid, n):
+            self._interleave(n)
+        return self.alloc.append(self.sid, n) if self.alloc.has(self.sid) else self.alloc.allocate(self.sid, n)
 
     def step(self) -> None:
         e = self.engine
-        out = e.step(StepPlan((Chunk(self.sid, 1, self.alloc.append(self.sid, e.num_tokens(self.sid))),)))
+        out = e.step(StepPlan((Chunk(self.sid, 1, self._table(e.num_tokens(self.sid))),)))
         self.tokens.append(out[0].token_id)
 
 
@@ -114,16 +131,37 @@ def time_steps(dec: Decoder, steps: int, repeats: int) -> float:
     return 1000 * statistics.median(meds)
 
 
+def ab(engine: Engine, dec: Decoder, steps: int, repeats: int) -> None:
+    """Interleaved in this process: the generic path (every block through ``Block.forward``, the kernels
+    through ``torch.ops.aten``: the step as it was before the one-row CPU block) against the default."""
+    from spark.engine.models import quantized
+
+    model, fast = engine.model, (quantized._int4_mm, quantized._int8_mm)
+    slow = (torch.ops.aten._weight_int4pack_mm_for_cpu, torch.ops.aten._weight_int8pack_mm)
+    times: dict[str, list[float]] = {"generic": [], "one-row": []}
+    for _ in range(repeats):
+        for name, one_row, kernels in (("generic", False, slow), ("one-row", True, fast)):
+            model.one_row, (quantized._int4_mm, quantized._int8_mm) = one_row, kernels
+            times[name].append(time_steps(dec, steps, 1))
+    model.one_row, (quantized._int4_mm, quantized._int8_mm) = True, fast
+    for name, ms in times.items():
+        print(f"A/B {name:>8}: {statistics.median(ms):.3f} ms per step (median of {repeats} blocks of {steps}; "
+              f"{', '.join(f'{m:.2f}' for m in ms)})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--fragmented", action="store_true", help="the sequence's pages every other one (not in a row)")
+    ap.add_argument("--ab", action="store_true", help="then the generic path against the default, interleaved")
     args = ap.parse_args()
 
     engine = Engine.load("default", device="cpu", kv_cache_tokens=8192, progress=False)
-    dec = Decoder(engine, args.context)
+    dec = Decoder(engine, args.context, fragmented=args.fragmented)
+    print(f"pages: {dec.alloc._tables[dec.sid][:8]} ...")
     for _ in range(20):
         dec.step()
     layer0, layer1, outside = count_ops(engine, dec)
@@ -141,6 +179,8 @@ def main() -> int:
     print(f"ms per step: {ms:.3f} (median of {args.repeats} x {args.steps} steps, context {args.context}+), "
           f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     print(f"first tokens: {dec.tokens[:12]}")
+    if args.ab:
+        ab(engine, dec, args.steps, args.repeats)
     return 0
 
 
