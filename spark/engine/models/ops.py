@@ -293,44 +293,43 @@ class CpuOps(TorchOps):
             k, v = fp8.quantize_reference(k, k_scale).view(torch.uint8), fp8.quantize_reference(v, v_scale).view(torch.uint8)
         k_flat.index_copy_(0, write, k)
         v_flat.index_copy_(0, write, v)
-        slots, length, mask = self._decode_context(meta, page_size)
+        slots, batch, length, mask = self._decode_context(meta, page_size)
+        # The context as [B, Hkv, L, Dh] (SDPA's layout) in one op a cache: a view of the cache itself when
+        # one sequence's pages lie in a row, else of the rows gathered.
+        shape, strides = (batch, num_kv_heads, length, head_dim), (length * num_kv_heads * head_dim, head_dim,
+                                                                   num_kv_heads * head_dim, 1)
         if isinstance(slots, int) and k_scale is None:
-            # One sequence whose pages lie in a row: its context is a view of the cache, [1, Hkv, L, Dh].
-            batch, shape, strides = 1, (1, num_kv_heads, length, head_dim), (0, head_dim, num_kv_heads * head_dim, 1)
             keys = k_flat.as_strided(shape, strides, k_flat.storage_offset() + slots * num_kv_heads * head_dim)
             values = v_flat.as_strided(shape, strides, v_flat.storage_offset() + slots * num_kv_heads * head_dim)
         else:
             if isinstance(slots, int):
-                slots = torch.arange(slots, slots + length, device=k_flat.device)[None]
-            batch = slots.shape[0]
-            flat = slots.view(-1)
-            keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
-            values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
+                slots = torch.arange(slots, slots + length, device=k_flat.device)
+            keys, values = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
             if k_scale is not None:
                 keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
                 values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+            keys, values = keys.as_strided(shape, strides), values.as_strided(shape, strides)
         # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
         return F.scaled_dot_product_attention(q.reshape(batch, num_kv_heads, -1, head_dim), keys, values,
                                               attn_mask=mask, scale=scale).view(q.shape)
 
     def _decode_context(self, meta: AttentionMetadata, page_size: int):
-        """(where every sequence's context lies, its length L, the mask of the real keys [B, 1, 1, L] or None
-        when every context has the longest's length). Where: the first flat cache slot, when there is one
-        sequence and its pages lie in a row (as an allocator gives a lone stream's out); else the flat
-        slots [B, L], padded with page 0."""
+        """(where the sequences' contexts lie, B, the longest's length L, the mask of the real keys [B, 1, 1, L]
+        or None when every context has the longest's length). Where: the first flat cache slot, when there
+        is one sequence and its pages lie in a row (as a fresh allocator gives a lone stream's out); else the
+        flat slots [B * L] of every sequence's context in turn, padded with page 0."""
         if self._context is not None and self._context[0] is meta:
             return self._context[1:]
         lens = meta.seq_lens.long()
-        longest = int(lens.max())
+        batch, longest = lens.shape[0], int(lens.max())
         pages = -(-longest // page_size)
-        if lens.shape[0] == 1:
+        if batch == 1:
             table = meta.block_tables[0, :pages].tolist()
             if table == list(range(table[0], table[0] + pages)):
-                self._context = (meta, table[0] * page_size, longest, None)
+                self._context = (meta, table[0] * page_size, 1, longest, None)
                 return self._context[1:]
         pos = torch.arange(longest, device=lens.device)
-        slots = meta.block_tables.long()[:, pos // page_size] * page_size + pos % page_size
+        slots = (meta.block_tables.long()[:, pos // page_size] * page_size + pos % page_size).view(-1)
         mask = None if int(lens.min()) == longest else (pos < lens[:, None])[:, None, None, :]
-        self._context = (meta, slots, longest, mask)
-        return slots, longest, mask
+        self._context = (meta, slots, batch, longest, mask)
+        return self._context[1:]
