@@ -133,7 +133,8 @@ def time_steps(dec: Decoder, steps: int, repeats: int) -> float:
 
 def ab(engine: Engine, dec: Decoder, steps: int, repeats: int) -> None:
     """Interleaved in this process: the generic path (every block through ``Block.forward``, the kernels
-    through ``torch.ops.aten``: the step as it was before the one-row CPU block) against the default."""
+    through ``torch.ops.aten``) against the default. The generic path shares the decode attention, so it is
+    not the code before the one-row block: for that, run this file at both commits, back to back."""
     from spark.engine.models import quantized
 
     model, fast = engine.model, (quantized._int4_mm, quantized._int8_mm)
