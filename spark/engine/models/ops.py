@@ -180,9 +180,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``norm.rms_norm_reference`` bit for bit, its fp32 arithmetic in one C++ op (``F.rms_norm`` without
+    """``norm.rms_norm_reference`` bit for bit, its fp32 arithmetic in one C++ op (``rms_norm`` without
     a weight rounds ``x / rms(x)`` to x's dtype, as the reference does, before the weight's product)."""
-    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps)).to(x.dtype)
+    y = weight * torch.rms_norm(x, (x.shape[-1],), None, eps)
+    return y if y.dtype == x.dtype else y.to(x.dtype)  # (a cast to its own dtype still costs a dispatch)
 
 
 def _add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -190,6 +191,22 @@ def _add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         return norm.add_rms_norm_reference(x, residual, weight, eps)
     h = x + residual
     return _rms_norm_cpu(h, weight, eps), h
+
+
+def _one_row_plan(block) -> tuple | bool:
+    """What ``CpuOps.block_one_row`` reads of a dense block, as plain references (the linears as their
+    kernels' calls, ``forward`` for those without one); False for a block it leaves to the generic path.
+    Kept on the block: its linears and norms are packed and loaded before its first step."""
+    attn, ffn = block.attention, block.feed_forward
+    if attn.q_norm is not None or block.tp.world_size > 1:
+        return False
+
+    def call(linear):
+        return linear.kernel() if hasattr(linear, "kernel") else linear.forward
+
+    return (block.attention_norm.weight, block.attention_norm.eps, call(attn.wqkv), attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, attn.scale, call(attn.wo), block.ffn_norm.weight,
+            block.ffn_norm.eps, call(ffn.w13), ffn.w13.out_features // 2, call(ffn.w2))
 
 
 class CpuOps(TorchOps):
@@ -211,12 +228,13 @@ class CpuOps(TorchOps):
     reference.
     """
 
+    fuses_one_row = True
     rope = staticmethod(_rope_cos_sin_full)
     rms_norm = staticmethod(_rms_norm_cpu)
     add_rms_norm = staticmethod(_add_rms_norm_cpu)
 
     def __init__(self):
-        self._context = None  # (meta, slots [B, L], mask [B, 1, 1, L] or None) of the last decode step
+        self._context = None  # (meta, and what _decode_context returns) of the last decode step
         self._writes = None  # (meta, the slots its K/V go to) of the last decode step
 
     def _write_slots(self, meta: AttentionMetadata) -> torch.Tensor:
@@ -235,7 +253,37 @@ class CpuOps(TorchOps):
                                                    meta, scale, out)
         heads = q.shape[1]
         qk = _rotate(torch.cat((q, k), 1), cos, sin)  # q and k rotated as one [T, H + Hkv, Dh]
-        q, k = qk[:, :heads], qk[:, heads:]
+        attn = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, scale)
+        return attn if out is None else out.copy_(attn)
+
+    def block_one_row(self, block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta: AttentionMetadata):
+        """A dense block for one token: h is the residual stream [1, D]; returns the next.
+
+        The block's math in straight-line code, with the fewest ops: q and k are one view of
+        the qkv product (already side by side there), and each residual add is done where
+        its sublayer ends rather than in the next norm (the same sums, in the same dtype).
+        What it reads of the block is gathered once (``_one_row_plan``): each module attribute
+        costs a lookup through ``nn.Module.__getattr__``. A block with a per-head q/k norm, or
+        under tensor parallelism, takes the generic path.
+        """
+        plan = block.__dict__.get("_cpu_one_row")
+        if plan is None:
+            plan = block.__dict__["_cpu_one_row"] = _one_row_plan(block)
+        if not plan or not meta.decode_only:
+            x, residual = block(h, None, rope, k_cache, v_cache, meta)
+            return x + residual
+        norm1, eps1, wqkv, heads, kv_heads, head_dim, scale, wo, norm2, eps2, w13, inter, w2 = plan
+        qkv = wqkv(_rms_norm_cpu(h, norm1, eps1))  # [1, q + 2 kv]
+        qk = _rotate(qkv[:, :(heads + kv_heads) * head_dim].view(1, heads + kv_heads, head_dim), *rope)
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(1, kv_heads, head_dim)
+        a = self._decode_attend(qk[:, :heads], qk[:, heads:], v, k_cache, v_cache, meta, scale)
+        h = h + wo(a.view(1, heads * head_dim))
+        gate, up = w13(_rms_norm_cpu(h, norm2, eps2)).split(inter, dim=-1)
+        return h + w2(F.silu(gate) * up)
+
+    def _decode_attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode step's attention of rotated q [T, H, Dh] (T = B), this step's k, v [T, Hkv, Dh] written
+        first. Returns [T, H, Dh]."""
         (k_cache, k_scale), (v_cache, v_scale) = pages_and_scale(k_cache), pages_and_scale(v_cache)
         _, page_size, num_kv_heads, head_dim = k_cache.shape
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
@@ -245,29 +293,43 @@ class CpuOps(TorchOps):
             k, v = fp8.quantize_reference(k, k_scale).view(torch.uint8), fp8.quantize_reference(v, v_scale).view(torch.uint8)
         k_flat.index_copy_(0, write, k)
         v_flat.index_copy_(0, write, v)
-        slots, mask = self._decode_context(meta, page_size)
-        batch, length = slots.shape
-        flat = slots.view(-1)
-        keys = k_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
-        values = v_flat.index_select(0, flat).view(batch, length, num_kv_heads, head_dim)
-        if k_scale is not None:
-            keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
-            values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        slots, batch, length, mask = self._decode_context(meta, page_size)
+        # The context as [B, Hkv, L, Dh] (SDPA's layout) in one op a cache: a view of the cache itself when
+        # one sequence's pages lie in a row, else of the rows gathered.
+        shape, strides = (batch, num_kv_heads, length, head_dim), (length * num_kv_heads * head_dim, head_dim,
+                                                                   num_kv_heads * head_dim, 1)
+        if isinstance(slots, int) and k_scale is None:
+            keys = k_flat.as_strided(shape, strides, k_flat.storage_offset() + slots * num_kv_heads * head_dim)
+            values = v_flat.as_strided(shape, strides, v_flat.storage_offset() + slots * num_kv_heads * head_dim)
+        else:
+            if isinstance(slots, int):
+                slots = torch.arange(slots, slots + length, device=k_flat.device)
+            keys, values = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+            if k_scale is not None:
+                keys = fp8.dequantize_reference(keys.view(fp8.FP8), k_scale, q.dtype)
+                values = fp8.dequantize_reference(values.view(fp8.FP8), v_scale, q.dtype)
+            keys, values = keys.as_strided(shape, strides), values.as_strided(shape, strides)
         # Each GQA group's query heads are query rows of its kv head: [B, Hkv, group, Dh].
-        attn = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, head_dim), keys, values,
+        return F.scaled_dot_product_attention(q.reshape(batch, num_kv_heads, -1, head_dim), keys, values,
                                               attn_mask=mask, scale=scale).view(q.shape)
-        return attn if out is None else out.copy_(attn)
 
     def _decode_context(self, meta: AttentionMetadata, page_size: int):
-        """(flat cache slots [B, L] of every sequence's context, padded with page 0; the mask of the
-        real keys [B, 1, 1, L], or None when every context has the longest's length)."""
+        """(where the sequences' contexts lie, B, the longest's length L, the mask of the real keys [B, 1, 1, L]
+        or None when every context has the longest's length). Where: the first flat cache slot, when there
+        is one sequence and its pages lie in a row (as a fresh allocator gives a lone stream's out); else the
+        flat slots [B * L] of every sequence's context in turn, padded with page 0."""
         if self._context is not None and self._context[0] is meta:
             return self._context[1:]
         lens = meta.seq_lens.long()
-        longest = int(lens.max())
+        batch, longest = lens.shape[0], int(lens.max())
+        pages = -(-longest // page_size)
+        if batch == 1:
+            table = meta.block_tables[0, :pages].tolist()
+            if table == list(range(table[0], table[0] + pages)):
+                self._context = (meta, table[0] * page_size, 1, longest, None)
+                return self._context[1:]
         pos = torch.arange(longest, device=lens.device)
-        slots = meta.block_tables.long()[:, pos // page_size] * page_size + pos % page_size
+        slots = (meta.block_tables.long()[:, pos // page_size] * page_size + pos % page_size).view(-1)
         mask = None if int(lens.min()) == longest else (pos < lens[:, None])[:, None, None, :]
-        self._context = (meta, slots, mask)
-        return slots, mask
+        self._context = (meta, slots, batch, longest, mask)
+        return self._context[1:]
