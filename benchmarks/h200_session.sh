@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+echo "commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"  # .clean trees carry COMMIT
 cd benchmarks
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
