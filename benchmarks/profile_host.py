@@ -21,6 +21,7 @@ import time
 import torch
 
 from offline_decode import prefilled, sync
+from step_cost import mixed_steps
 
 
 def main() -> int:
@@ -33,7 +34,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=28)
     args = ap.parse_args()
-    from spark.core.plan import Chunk, StepPlan
     from spark.engine.engine import Engine
     from spark.engine.sampling import SamplingParams
 
@@ -45,25 +45,16 @@ def main() -> int:
     for prefill in (int(x) for x in args.prefill.split(",")):
         profile = cProfile.Profile()
         launch_s = []
-        for step in range(args.steps + 2):
-            chunks = [Chunk(sid, 1, alloc.append(sid, engine.num_tokens(sid))) for sid in ids]
-            fresh = ("fresh", prefill, step)
-            if prefill:
-                engine.add_sequence(fresh, torch.randint(0, engine.config.vocab_size, (prefill + 8,), generator=gen).tolist(),
-                                    SamplingParams(temperature=0.0, max_tokens=4))
-                chunks.append(Chunk(fresh, prefill, alloc.allocate(fresh, prefill)))
+        for step, plan in enumerate(mixed_steps(engine, alloc, ids, prefill, args.steps + 2, gen)):
             sync(engine.device)
             if step >= 2:
                 profile.enable()
             t0 = time.perf_counter()
-            engine.launch(StepPlan(tuple(chunks)))
+            engine.launch(plan)
             launch_s.append(time.perf_counter() - t0)
             if step >= 2:
                 profile.disable()
             engine.collect()
-            if prefill:
-                engine.remove_sequence(fresh)
-                alloc.free(fresh)
         print(f"== rows {args.rows}, prefill {prefill}: launch ms per step "
               f"{[round(1e3 * s, 1) for s in launch_s[2:]]}", flush=True)
         for key in ("tottime", "cumtime"):

@@ -27,31 +27,38 @@ import torch
 from offline_decode import prefilled, sync
 
 
-def timed_steps(engine, alloc, ids, prefill: int, steps: int, gen) -> tuple[float, float]:
-    """(median ms of a step, median ms until launch returned) of ``ids`` decoding beside ``prefill``
-    prompt tokens of a fresh sequence each step (none when 0)."""
+def mixed_steps(engine, alloc, ids, prefill: int, steps: int, gen):
+    """Yield ``steps`` plans: ``ids`` decoding one token each, beside the first ``prefill`` prompt tokens
+    of a fresh sequence (none when 0), which goes once the caller has collected its step (at the next
+    iteration)."""
     from spark.core.plan import Chunk, StepPlan
     from spark.engine.sampling import SamplingParams
 
-    whole, host = [], []
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for step in range(steps + 2):
+    for step in range(steps):
         chunks = [Chunk(sid, 1, alloc.append(sid, engine.num_tokens(sid))) for sid in ids]
-        fresh = None
+        fresh = ("fresh", prefill, step)
         if prefill:
-            fresh = ("fresh", step)
-            engine.add_sequence(fresh, torch.randint(0, engine.config.vocab_size, (prefill + 8,), generator=gen).tolist(),
-                                params)
+            prompt = torch.randint(0, engine.config.vocab_size, (prefill + 8,), generator=gen).tolist()
+            engine.add_sequence(fresh, prompt, params)
             chunks.append(Chunk(fresh, prefill, alloc.allocate(fresh, prefill)))
+        yield StepPlan(tuple(chunks))
+        if prefill:
+            engine.remove_sequence(fresh)
+            alloc.free(fresh)
+
+
+def timed_steps(engine, alloc, ids, prefill: int, steps: int, gen) -> tuple[float, float]:
+    """(median ms of a step, median ms until launch returned) of ``ids`` decoding beside ``prefill``
+    prompt tokens of a fresh sequence each step (none when 0)."""
+    whole, host = [], []
+    for step, plan in enumerate(mixed_steps(engine, alloc, ids, prefill, steps + 2, gen)):
         sync(engine.device)
         t0 = time.perf_counter()
-        engine.launch(StepPlan(tuple(chunks)))
+        engine.launch(plan)
         t1 = time.perf_counter()
         engine.collect()
         t2 = time.perf_counter()
-        if fresh is not None:
-            engine.remove_sequence(fresh)
-            alloc.free(fresh)
         if step >= 2:
             whole.append(1e3 * (t2 - t0))
             host.append(1e3 * (t1 - t0))
