@@ -17,15 +17,17 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-from spark.engine.engine import Engine
-from spark.engine.offline import generate, prefill_logits
-from spark.engine.sampling import SamplingParams
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+from offline_decode import git_commit  # noqa: E402  (benchmarks/, beside this script's directory)
+
+from spark.engine.engine import Engine  # noqa: E402
+from spark.engine.offline import generate, prefill_logits  # noqa: E402
+from spark.engine.sampling import SamplingParams  # noqa: E402
 
 TOPICS = [
     "why the sky is blue", "how a bicycle stays upright", "what a hash table is", "the water cycle",
@@ -108,7 +110,7 @@ def main() -> int:
         "forced_top1_agreement": round(top1, 4),
         "seconds": {"auto": round(auto_s, 1), "fp8": round(fp8_s, 1)},
     }
-    doc = {"bench": "fp8_kv_check", "date": datetime.date.today().isoformat(), "commit": _commit(),
+    doc = {"bench": "fp8_kv_check", "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": " ".join(["python"] + sys.argv), "model": args.model, "device": args.device,
            "dtype": args.dtype, "weight_format": args.weight_format, "kv_scales": "1.0 per layer and head",
            "summary": summary, "per_prompt": per_prompt}
@@ -118,13 +120,6 @@ def main() -> int:
     print(json.dumps(summary, indent=1))
     print(f"written to {out}")
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 if __name__ == "__main__":
