@@ -529,9 +529,8 @@ class Engine:
         ``capture_next_graph``. GPU only; the piecewise ones on one rank, unless ``SPARK_PIECEWISE_GRAPHS=0``."""
         if self.device.type != "cuda":
             return False
-        from spark.engine.cuda_graphs import DecodeGraphs
         from spark.engine import piecewise
-        from spark.engine.piecewise import PiecewiseGraphs
+        from spark.engine.cuda_graphs import DecodeGraphs
 
         self.verify_rows = min(verify_rows, verify.MAX_ROWS)
         self.graphs = DecodeGraphs(
@@ -541,7 +540,8 @@ class Engine:
         )
         if self.tp.world_size == 1 and os.environ.get("SPARK_PIECEWISE_GRAPHS", "1") != "0":
             tokens = min(max_step_tokens or max_batch_size + 512, piecewise.MAX_TOKENS)
-            self.piecewise = PiecewiseGraphs(self.model, max_tokens=tokens, device=self.device, dtype=self.dtype)
+            self.piecewise = piecewise.PiecewiseGraphs(self.model, max_tokens=tokens, device=self.device,
+                                                       dtype=self.dtype)
         return True
 
     def capture_next_graph(self) -> bool:
