@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: the kernels of eager decode steps, by total time.
 
     python benchmarks/profile_decode.py [--model dummy:llama-3.1-8b] [--batch 1 64] [--context 192]
+                                        [--kv-dtype auto|fp8] [--top 8]
 
 Dummy bf16 weights; each batch prefills ``--context`` tokens per sequence, then
 profiles 5 eager decode steps (no CUDA graph, so every kernel is seen by name).
@@ -31,14 +32,14 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
+def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str = "auto", top: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from spark.engine.engine import Engine
     from spark.core.plan import Chunk, StepPlan
     from spark.engine.sampling import SamplingParams
 
-    engine = Engine.load(model, device="cuda", progress=False, max_model_len=context + 64,
+    engine = Engine.load(model, device="cuda", progress=False, max_model_len=context + 64, kv_dtype=kv_dtype,
                          kv_cache_bytes=2 * batch * (context + 64) * engine_kv_bytes(model))
     # Bytes a decode step reads: every weight, except the embedding table when it is not the output too.
     weight_bytes = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
@@ -70,11 +71,11 @@ def profile(model: str, batch: int, context: int, steps: int = 5) -> dict:
         per_family[family(evt.key)] += us / steps
         per_kernel[evt.key[:60]] = us / steps
         count += evt.count
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
     total = sum(per_family.values())
     matmul_us = per_family.get("matmul", 0.0)
     return {
-        "model": model, "batch": batch, "context": context, "kernels_per_step": round(count / steps, 1),
+        "model": model, "kv_dtype": kv_dtype, "batch": batch, "context": context, "kernels_per_step": round(count / steps, 1),
         "gpu_us_per_step": round(total, 1),
         "us_per_step_by_family": {k: round(v, 1) for k, v in sorted(per_family.items(), key=lambda kv: -kv[1])},
         "matmul_bandwidth_frac": round(weight_bytes / (matmul_us * 1e-6) / BANDWIDTH, 3) if matmul_us else None,
@@ -94,11 +95,13 @@ def main() -> int:
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--kv-dtype", default="auto", help="the KV cache's dtype: auto (the model's) or fp8")
+    ap.add_argument("--top", type=int, default=8, help="how many kernels to list by time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     for b in args.batch:
-        rows.append(profile(args.model, b, args.context))
+        rows.append(profile(args.model, b, args.context, kv_dtype=args.kv_dtype, top=args.top))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.out:
