@@ -57,6 +57,12 @@ for name in "$@"; do
         step-cost) step "$name" 120 python step_cost.py --out "$OUT/step-cost.json" ;;
         step-cost-short) step "$name" 90 python step_cost.py --rows 64,256 --prefill 0,128,512,2048 --steps 8 \
             --out "$OUT/step-cost.json" ;;
+        profile-moe) step "$name" 150 python profile_decode.py --model dummy:qwen3-30b-a3b --batch 1 --context 128 \
+            --top 30 --out "$OUT/profile-moe.json" ;;
+        profile-fp8) step "$name" 90 python profile_decode.py --batch 32 --context 4096 --top 12 \
+                --out "$OUT/profile-kv-auto.json"
+            step "$name-fp8" 90 python profile_decode.py --batch 32 --context 4096 --top 12 --kv-dtype fp8 \
+                --out "$OUT/profile-kv-fp8.json" ;;
         profile-host) step "$name" 120 python profile_host.py --rows 32 --prefill 0,128 ;;
         *) echo "unknown step $name" ;;
     esac

@@ -256,7 +256,24 @@ HISTOGRAMS = ("spark_ttft_prediction_error_ratio", "spark_inter_token_latency_se
 
 
 def server_histograms(url: str) -> dict[str, dict[float, float]]:
-    return {name: histogram_buckets(url, name) for name in HISTOGRAMS}
+    out = {name: histogram_buckets(url, name) for name in HISTOGRAMS}
+    for label, buckets in labelled_buckets(url, "spark_step_seconds_by_prefill", "prefill").items():
+        out[f"step_by_prefill:{label}"] = buckets
+    return out
+
+
+def labelled_buckets(url: str, name: str, label: str) -> dict[str, dict[float, float]]:
+    """The cumulative buckets of each ``label`` value of the server's histogram ``name``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                out.setdefault(s.labels[label], {})[float(s.labels["le"])] = s.value
+    return out
 
 
 def bucket_quantile(grown: list[tuple[float, float]], q: float) -> float | None:
@@ -301,6 +318,14 @@ def server_side(before: dict, after: dict) -> dict:
         for q in (0.5, 0.99):
             value = bucket_quantile(grown, q)
             row[f"{key}_p{round(q * 100)}_ms"] = None if value is None else round(1000 * value, 2)
+    by_prefill = {}  # which steps are slow: step time by the prompt tokens each step computed
+    for name in sorted(k for k in after if k.startswith("step_by_prefill:")):
+        grown = growth(before.get(name, {}), after[name])
+        if grown and grown[-1][1]:
+            quantiles = {f"p{round(q * 100)}_ms": bucket_quantile(grown, q) for q in (0.5, 0.9, 0.99)}
+            by_prefill[name.split(":", 1)[1]] = {"steps": int(grown[-1][1]), **{
+                k: None if v is None else round(1000 * v, 2) for k, v in quantiles.items()}}
+    row["server_step_by_prefill"] = by_prefill
     return row
 
 

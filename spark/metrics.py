@@ -16,6 +16,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.2, 0.5, 1)
 _ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
 _PREFILL_BUCKETS = (0, 128, 512, 1024, 2048, 4096, 8192, 16384)
+# A step's prompt tokens as a label of its time: which kind of step misses a time-between-tokens
+# target (the largest class is past the piecewise CUDA graphs' biggest bucket, 2048 tokens).
+_PREFILL_CLASSES = ((0, "0"), (128, "1-128"), (512, "129-512"), (2048, "513-2048"))
+
+
+def prefill_class(tokens: int) -> str:
+    """The ``prefill`` label of a step that computed ``tokens`` prompt tokens."""
+    return next((name for bound, name in _PREFILL_CLASSES if tokens <= bound), ">2048")
 
 
 class QueueWaits:
@@ -107,6 +115,10 @@ class Metrics:
         )
         self.step_prefill_tokens = Histogram(
             "spark_step_prefill_tokens", "Prompt tokens computed in a step", buckets=_PREFILL_BUCKETS, registry=r
+        )
+        self.step_seconds_by_prefill = Histogram(
+            "spark_step_seconds_by_prefill", "Step time by the prompt tokens the step computed", ["prefill"],
+            buckets=_STEP_BUCKETS, registry=r
         )
 
 

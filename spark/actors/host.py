@@ -34,7 +34,7 @@ from spark.core.faults import Faults
 from spark.core.interfaces import StepEngine
 from spark.core.policies import Limits, make_policy
 from spark.core.scheduler import Scheduler
-from spark.metrics import Metrics
+from spark.metrics import Metrics, prefill_class
 from spark.serve_config import ServeConfig
 
 log = logging.getLogger("spark.host")
@@ -347,6 +347,7 @@ def record_core_metrics(metrics: Metrics, core: CoreMetrics, *, queued_here: int
         metrics.step_seconds.observe(step.seconds)
         metrics.step_decode_rows.observe(step.decode_rows)
         metrics.step_prefill_tokens.observe(step.prefill_tokens)
+        metrics.step_seconds_by_prefill.labels(prefill_class(step.prefill_tokens)).observe(step.seconds)
     if core.graphs is not None:
         metrics.decode_graphs_captured.set(core.graphs[0])
         metrics.decode_graphs_planned.set(core.graphs[1])

@@ -16,9 +16,16 @@ from spark.http.application import NEEDS_TRIO
 
 def _metric(http, name: str) -> float:
     text = http.get("/metrics").text
-    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     assert match, f"{name} not in /metrics"
     return float(match[1])
+
+
+def _labelled(http, sample: str) -> float:
+    """A labelled sample's value; 0 before the label's first observation (it is absent until then)."""
+    text = http.get("/metrics").text
+    match = re.search(rf"^{re.escape(sample)} ([0-9.e+-]+)$", text, re.M)
+    return float(match[1]) if match else 0.0
 
 
 def test_health_models_metrics(server):
@@ -54,6 +61,8 @@ def test_step_metrics_describe_the_batches(server):
         steps = _metric(http, "spark_step_seconds_count")
         prefill = _metric(http, "spark_step_prefill_tokens_sum")
         rows = _metric(http, "spark_step_decode_rows_sum")
+        decode_steps, prompt_steps = (_labelled(http, 'spark_step_seconds_by_prefill_count{prefill="%s"}' % c)
+                                      for c in ("0", "1-128"))
         body = {"model": server.model, "prompt": "Count: 1, 2, 3,", "max_tokens": 6, "temperature": 0,
                 "ignore_eos": True}
         out = http.post("/v1/completions", json=body).json()
@@ -62,6 +71,9 @@ def test_step_metrics_describe_the_batches(server):
         assert _metric(http, "spark_step_prefill_tokens_sum") - prefill == prompt_tokens
         assert _metric(http, "spark_step_decode_rows_sum") - rows == 5
         assert _metric(http, "spark_step_seconds_count") - steps == 6
+        # Step times by the prompt tokens a step computed: the decode steps apart from the prompt's.
+        assert _metric(http, 'spark_step_seconds_by_prefill_count{prefill="0"}') - decode_steps == 5
+        assert _metric(http, 'spark_step_seconds_by_prefill_count{prefill="1-128"}') - prompt_steps == 1
 
 
 def _open_and_drop_a_stream(http, model: str) -> None:
