@@ -48,6 +48,10 @@ for name in "$@"; do
         poisson-chat30) poisson "$name" 240 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 30" ;;
         poisson-chat-slai40) poisson "$name" 130 --prompt-dist lognormal --rate 48 --policies slai \
             --spark-args="--tbt-deadline-ms 40" ;;
+        poisson-chat-slow) export SPARK_SLOW_TURN_MS=35  # SLAI 40 ms, each core-loop turn over 35 ms logged
+            poisson "$name" 130 --prompt-dist lognormal --rate 48 --policies slai --spark-args="--tbt-deadline-ms 40"
+            unset SPARK_SLOW_TURN_MS
+            grep -c "slow turn" "$OUT/$name.log" ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;

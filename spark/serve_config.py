@@ -55,6 +55,10 @@ class ServeConfig:
     # device runs N). Each more costs an ended sequence one more wasted row.
     scheduler_depth: int | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(1)))
+    # Diagnostics: log each turn of the core loop slower than this (where its time went, the steps it
+    # collected, garbage collections and CUDA allocator retries meanwhile); None: off.
+    slow_turn_ms: float | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.gt(0)))
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
     # Full prompt pages are cached and reused by later prompts that start with the same tokens.
     prefix_caching: bool = True

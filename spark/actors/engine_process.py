@@ -222,7 +222,8 @@ def run_session(engine, conn, config: ServeConfig, capture: bool) -> tuple[bool,
                                 daemon=True)
     sender.start()
     receiver.start()
-    loop = CoreLoop(new_core(engine, config), inbox, sends.put, capture_graphs=capture)
+    loop = CoreLoop(new_core(engine, config), inbox, sends.put, capture_graphs=capture,
+                    slow_turn_ms=config.slow_turn_ms)
     try:
         loop.run()
     finally:

@@ -68,9 +68,10 @@ class CoreLoop:
     (``capture_graphs``), or sleeps until the inbox has something."""
 
     def __init__(self, core: Core, inbox: queue.SimpleQueue, emit: Callable[[Out], None], *,
-                 capture_graphs: bool = False):
+                 capture_graphs: bool = False, slow_turn_ms: float | None = None):
         self.core, self.inbox, self.emit = core, inbox, emit
         self.capturing = capture_graphs
+        self.slow_turns = SlowTurns(slow_turn_ms / 1000.0) if slow_turn_ms else None
 
     def run(self) -> None:
         core = self.core
@@ -78,13 +79,21 @@ class CoreLoop:
             idle = not core.busy and not self.capturing
             if idle:
                 self._emit(())  # gauges current before sleeping (pages a cancel freed, say)
+            timer = self.slow_turns.start() if self.slow_turns and not idle else None
             if not self._take(block=idle):
                 self._emit(tuple(core.drain()))  # the steps under way end before the engine may go
                 return
+            if timer:
+                timer.lap("take")
             if core.busy:
                 events = core.step()
+                if timer:
+                    timer.lap("step")
                 if events:
-                    self._emit(tuple(events))
+                    shown = self._emit(tuple(events))
+                    if timer:
+                        timer.lap("emit")
+                        self.slow_turns.check(timer, shown.steps)
             elif self.capturing:
                 self.capturing = self._capture_one()
                 self._emit(())
@@ -111,12 +120,13 @@ class CoreLoop:
                 else:
                     self.core.cancel(message.request_id)
 
-    def _emit(self, events: tuple) -> None:
+    def _emit(self, events: tuple) -> CoreMetrics:
         metrics = self.core.metrics()
         progress = self.core.engine.graph_progress()
         if progress[1]:
             metrics = attrs.evolve(metrics, graphs=progress)
         self.emit(Out(events, metrics))
+        return metrics
 
     def _capture_one(self) -> bool:
         """Capture one more CUDA graph; False when all are (or capture failed: decoding stays eager)."""
@@ -125,6 +135,59 @@ class CoreLoop:
         except Exception:
             log.exception("CUDA graph capture failed; decoding stays eager")
             return False
+
+
+class SlowTurns:
+    """Diagnostics (``slow_turn_ms``): each turn of the core loop that took longer than ``threshold_s``,
+    logged with where its time went (taking messages, ``Core.step``, handing the events on), how much
+    of it this thread ran on a CPU, the steps it collected, and what else happened meanwhile: garbage
+    collections, and the CUDA caching allocator's device mallocs and retries (a retry frees the cache
+    and waits for the device). One line per slow turn; nothing is measured but two clocks otherwise."""
+
+    def __init__(self, threshold_s: float):
+        self.threshold_s = threshold_s
+        self._seen = self._counters()
+
+    def start(self) -> "_TurnTimer":
+        return _TurnTimer()
+
+    def check(self, timer: "_TurnTimer", steps) -> None:
+        wall = time.perf_counter() - timer.t0
+        if wall < self.threshold_s:
+            return
+        now = self._counters()
+        grown = {k: now[k] - self._seen.get(k, 0) for k in now}
+        self._seen = now
+        laps = ", ".join(f"{name} {1000 * s:.1f}" for name, s in timer.laps)
+        shapes = " ".join(f"[{1000 * s.seconds:.1f} ms: {s.decode_rows} rows + {s.prefill_tokens} tok]"
+                          for s in steps)
+        log.warning("slow turn %.1f ms (%s; cpu %.1f ms) steps %s; since the last slow turn: %s",
+                    1000 * wall, laps, 1000 * (time.thread_time() - timer.cpu0), shapes or "none",
+                    ", ".join(f"{k} +{v}" for k, v in grown.items()))
+
+    @staticmethod
+    def _counters() -> dict[str, int]:
+        import gc
+
+        out = {"gc": sum(g["collections"] for g in gc.get_stats())}
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats = torch.cuda.memory_stats()
+            out["cuda_mallocs"] = stats.get("num_device_alloc", 0)
+            out["cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
+        return out
+
+
+class _TurnTimer:
+    def __init__(self):
+        self.t0 = self._last = time.perf_counter()
+        self.cpu0 = time.thread_time()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - self._last))
+        self._last = now
 
 
 def shorten_switch_interval() -> None:
@@ -162,7 +225,8 @@ class ThreadTransport:
         shorten_switch_interval()
         capture = self.engine.enable_cuda_graphs(config.max_batch_size, config.verify_graph_rows(),
                                                  config.max_batch_size + config.max_prefill_tokens)
-        loop = CoreLoop(new_core(self.engine, config), self._inbox, deliver, capture_graphs=capture)
+        loop = CoreLoop(new_core(self.engine, config), self._inbox, deliver, capture_graphs=capture,
+                        slow_turn_ms=config.slow_turn_ms)
 
         def body() -> None:
             try:
