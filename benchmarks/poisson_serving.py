@@ -361,7 +361,7 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         sampler.join()
         snapshots.append((time.time(), step_totals(url)))
         observed = server_side(histograms_before, server_histograms(url))
-        compiled = len(triton_kernels() - kernels)
+        compiled = sorted(triton_kernels() - kernels)  # "<hash>/<kernel>.json": what the load compiled late
     finally:
         stop.set()
         stop_server(server)
@@ -408,7 +408,8 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
         "wall_s": round(wall, 2), "output_tokens": pooled["output_tokens"],
         **steps, "decode_step_ms": decode_ms,
         "itl_p99_over_decode_step": round(latency["itl_p99_ms"] / decode_ms, 2) if decode_ms else None,
-        **graphs, "triton_compiled_in_timed_run": compiled,
+        **graphs, "triton_compiled_in_timed_run": len(compiled),
+        "triton_compiled_names": sorted({name.split("/")[-1].removesuffix(".json") for name in compiled}),
         "load_cpu_cores": round(result["cpu_s"] / wall, 2), "load_procs": args.load_procs,
     }
     if failed:
