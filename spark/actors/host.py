@@ -147,6 +147,8 @@ class SlowTurns:
     def __init__(self, threshold_s: float):
         self.threshold_s = threshold_s
         self._seen = self._counters()
+        _log_triton_compiles()
+
 
     def start(self) -> "_TurnTimer":
         return _TurnTimer()
@@ -176,6 +178,24 @@ class SlowTurns:
             out["cuda_mallocs"] = stats.get("num_device_alloc", 0)
             out["cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
         return out
+
+
+def _log_triton_compiles() -> None:
+    """From now on (the engine is warm), log each kernel specialization Triton compiles: a compile
+    while serving is a stall that warm-up should have taken, and its argument types and constants
+    say which shape brought it."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+
+    def hook(*, repr, compile, **_):
+        constants = {k[0] if isinstance(k, tuple) and len(k) == 1 else k: v
+                     for k, v in compile.get("constants", {}).items()}
+        log.warning("Triton compiles while serving: %s constants %s", repr, constants)
+        return False  # compile it all the same
+
+    knobs.runtime.jit_cache_hook = hook
 
 
 class _TurnTimer:

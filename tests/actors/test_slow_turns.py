@@ -5,8 +5,19 @@ import logging
 import re
 import time
 
+import pytest
+
 from spark.actors.host import SlowTurns
 from spark.core.events import StepShape
+
+
+@pytest.fixture(autouse=True)
+def no_compile_hook_left():
+    """SlowTurns logs Triton's compiles from its start on: take the hook away after each test."""
+    yield
+    from triton import knobs
+
+    knobs.runtime.jit_cache_hook = None
 
 
 def test_a_slow_turn_is_logged_with_its_laps_and_steps(caplog):
