@@ -52,6 +52,10 @@ for name in "$@"; do
             poisson "$name" 130 --prompt-dist lognormal --rate 48 --policies slai --spark-args="--tbt-deadline-ms 40"
             unset SPARK_SLOW_TURN_MS
             grep -c "slow turn" "$OUT/$name.log" ;;
+        poisson-chat50) export SPARK_SLOW_TURN_MS=60  # FIFO and SLAI 50 ms; turns over 60 ms and late compiles logged
+            poisson "$name" 300 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 50"
+            unset SPARK_SLOW_TURN_MS
+            grep -c "slow turn" "$OUT/$name.log"; grep "Triton compiles" "$OUT/$name.log" | cut -c1-1500 ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
