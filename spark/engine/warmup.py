@@ -10,8 +10,9 @@ then does the server say ready:
 
 - prefill chunks of every size class up to the step budget (powers of two, one less and one more:
   Triton specializes on divisibility by 16), alone and beside decode rows;
-- a long context (up to 16k tokens) prefilled in chunks, then decoded beside short ones: the
-  chunked-prefill attention over a cache, and every split-KV partition count the decode kernel picks;
+- a long context (up to 16k tokens) prefilled in chunks, then decoded beside short ones and beside a
+  prompt chunk: the chunked-prefill attention over a cache, and every split-KV partition count the
+  decode kernel picks, with RoPE in the kernel and without (a step with prompt tokens);
 - decode steps of every batch size from the largest the server allows down to 1, greedy and sampled.
 
 Triton keeps what it compiled on disk (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), so a restart on
@@ -120,7 +121,7 @@ def warm_up(engine, shape: WarmupShape, *, progress: bool = True, any_device: bo
     sizes = prefill_sizes(min(budget, engine.max_model_len - 64))
     long_len = min(LONG_CONTEXT, engine.max_model_len - 64, _tokens_for_pages(engine, max_batch + 8) // 2)
     per_step = max(1, budget // SHORT_PROMPT)  # short prompts prefilled in one step
-    total = (1 + 4 * len(sizes) + (-(-long_len // budget) + 4 if long_len > budget else 0)
+    total = (1 + 4 * len(sizes) + (-(-long_len // budget) + 6 if long_len > budget else 0)
              + 2 * (-(-max_batch // per_step) + max_batch))
     with LoadProgress(total, "warm-up (kernels for every step shape)", enabled=progress, unit="steps") as bar:
         d = _Driver(engine, bar)
@@ -141,6 +142,12 @@ def warm_up(engine, shape: WarmupShape, *, progress: bool = True, any_device: bo
             d.prefill(long, long_len, budget)
             for b in (1, 2, 3, 4):
                 d.step({long: 1, **{r: 1 for r in rows[: b - 1]}})
+            # Beside a prompt chunk, decode attention takes the rows' RoPE from the step (its variant
+            # without RoPE), split over the long context too.
+            for b in (1, 4):
+                chunk = d.add(SHORT_PROMPT)
+                d.step({chunk: SHORT_PROMPT, long: 1, **{r: 1 for r in rows[: b - 1]}})
+                d.drop([chunk])
             d.drop([long])
         d.drop(rows)
         # Every decode batch size, greedy and sampled, largest first.

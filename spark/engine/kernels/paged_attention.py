@@ -431,7 +431,11 @@ def _kernels():
 
     _partition = partition
 
-    @triton.jit
+    # Ints that change from step to step (the block table's width, the split count) are not
+    # specialized on (Triton's ==1 and %16 cases): each case was a compile of 0.6-1.5 s in the
+    # middle of serving, in a shape no warm-up can list. The kernel only does scalar arithmetic
+    # with them, which the divisibility hint does not speed up.
+    @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
@@ -564,7 +568,7 @@ def _kernels():
             o_off = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od
             tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])  # as decode_kernel's
     def reduce_kernel(
         partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr,
         stride_ob, stride_oh, stride_od, head_dim, num_splits,

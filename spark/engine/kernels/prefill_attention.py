@@ -148,7 +148,8 @@ def _kernel():
     global _attend_keys
     _attend_keys = key_block.attend_keys()
 
-    @triton.jit
+    # The block table's width changes from step to step: not specialized on (see decode_kernel's).
+    @triton.jit(do_not_specialize=["stride_bt"])
     def prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
         k_scale_ptr, v_scale_ptr,
