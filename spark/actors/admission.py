@@ -71,7 +71,8 @@ class TtftPredictor:
         limits = self.limits
         budget = limits.max_prefill_tokens
         if limits.policy == "slai" and self.running:
-            budget = prefill_within(fit, limits.tbt_deadline, self.running, budget, limits.min_prefill_chunk)
+            budget = prefill_within(fit, limits.tbt_deadline, self.running, budget, limits.min_prefill_chunk,
+                                    self.step_time.overrun())  # what SLAI keeps back, kept back here too
         ahead = sum(self._queued.values()) + prompt_tokens
         steps = math.ceil(ahead / budget)
         return self.in_flight() + steps * fit.seconds(self.running, min(budget, ahead))

@@ -41,6 +41,20 @@ def test_slai_budget_is_what_keeps_the_running_streams_deadline():
                                             rel=3e-3)
 
 
+def test_slai_budget_keeps_back_what_the_model_overran_as_slai_does():
+    p = trained(policy="slai", max_prefill_tokens=8192, tbt_deadline=0.1)
+    exact = p.predict(5000)
+    # Steps with prompt tokens that took 20 ms longer than the fit: SLAI's budget shrinks, so does this one's.
+    p.observe_core(8, [StepShape(BASE + PER_ROW * 8 + PER_TOKEN * 256 + 0.02, 8, 256)] * 8)
+    overrun = p.step_time.overrun()
+    assert overrun > 0.01
+    fit = p.step_time.fit()
+    budget = math.floor((0.9 * 0.1 - overrun - fit.base - 8 * fit.per_row) / fit.per_token)
+    assert p.predict(5000) > exact
+    assert p.predict(5000) == pytest.approx(p.in_flight() + math.ceil(5000 / budget) * fit.seconds(8, budget),
+                                            rel=3e-3)
+
+
 def test_past_the_bound_a_request_is_refused_with_a_retry_after_from_the_prediction():
     p = trained(policy="fifo", max_prefill_tokens=512, ttft_bound_s=0.5)
     assert p.refusal(100) is None
