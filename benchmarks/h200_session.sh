@@ -56,6 +56,16 @@ for name in "$@"; do
             poisson "$name" 300 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 50"
             unset SPARK_SLOW_TURN_MS
             grep -c "slow turn" "$OUT/$name.log"; grep "Triton compiles" "$OUT/$name.log" | cut -c1-1500 ;;
+        poisson-chat40) export SPARK_SLOW_TURN_MS=100  # FIFO and SLAI 40 ms; turns over 100 ms and late compiles logged
+            poisson "$name" 300 --prompt-dist lognormal --rate 48 --spark-args="--tbt-deadline-ms 40"
+            unset SPARK_SLOW_TURN_MS
+            grep -c "slow turn" "$OUT/$name.log"; grep "Triton compiles" "$OUT/$name.log" | cut -c1-300 ;;
+        # ~256 streams at a rate the GPU can prefill: 512 new tokens each, Poisson 20/s, SLAI held to ~2x a decode step
+        poisson-long) export SPARK_SLOW_TURN_MS=100
+            poisson "$name" 330 --prompt-dist lognormal --rate 20 --requests 800 --new 512 \
+                --spark-args="--tbt-deadline-ms 25"
+            unset SPARK_SLOW_TURN_MS
+            grep -c "slow turn" "$OUT/$name.log"; grep "Triton compiles" "$OUT/$name.log" | cut -c1-300 ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
