@@ -189,10 +189,11 @@ def _log_triton_compiles() -> None:
     except ImportError:
         return
 
-    def hook(*, repr, compile, **_):
+    def hook(*, key, fn, compile, **_):
         constants = {k[0] if isinstance(k, tuple) and len(k) == 1 else k: v
                      for k, v in compile.get("constants", {}).items()}
-        log.warning("Triton compiles while serving: %s constants %s", repr, constants)
+        log.warning("Triton compiles while serving: %s constants %s key %s", getattr(fn, "name", fn), constants,
+                    str(key)[:2000])
         return False  # compile it all the same
 
     knobs.runtime.jit_cache_hook = hook

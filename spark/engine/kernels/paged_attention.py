@@ -431,11 +431,13 @@ def _kernels():
 
     _partition = partition
 
-    # Ints that change from step to step (the block table's width, the split count) are not
-    # specialized on (Triton's ==1 and %16 cases): each case was a compile of 0.6-1.5 s in the
-    # middle of serving, in a shape no warm-up can list. The kernel only does scalar arithmetic
-    # with them, which the divisibility hint does not speed up.
-    @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+    # What changes from step to step is not specialized on: the ints (the block table's width, the
+    # split count: Triton's ==1 and %16 cases) and the alignment of the int32 metadata (a mixed step
+    # slices its decode rows' and its chunks' out of one array, at any row). Each case was a compile
+    # of 0.6-1.5 s in the middle of serving (SPARK_SLOW_TURN_MS on an H100), in a shape no warm-up
+    # can list; the kernel reads them as scalars, which the hints do not speed up.
+    @triton.jit(do_not_specialize=["stride_bt", "num_splits"], do_not_specialize_on_alignment=[
+        "positions_ptr", "slot_ptr", "block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"])
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,

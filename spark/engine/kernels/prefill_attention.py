@@ -148,8 +148,10 @@ def _kernel():
     global _attend_keys
     _attend_keys = key_block.attend_keys()
 
-    # The block table's width changes from step to step: not specialized on (see decode_kernel's).
-    @triton.jit(do_not_specialize=["stride_bt"])
+    # The block table's width and the metadata's alignment change from step to step (a mixed step's
+    # chunks are sliced after its decode rows): not specialized on (see paged_attention's decode_kernel).
+    @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=[
+        "query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "k_scale_ptr", "v_scale_ptr"])
     def prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, out_ptr,
         k_scale_ptr, v_scale_ptr,
