@@ -51,7 +51,8 @@ class Recorder(TorchDispatchMode):
             if name == "reshape.default":
                 same = out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
                 name = "reshape(view)" if same else "reshape(copy)"
-            if name not in NO_KERNEL:
+            aliased = isinstance(out, torch.Tensor) and args and out is args[0]  # e.g. ``.float()`` of fp32
+            if name not in NO_KERNEL and not aliased:
                 self.events.append((self.layer, "aten:" + name))
         return out
 

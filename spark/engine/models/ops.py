@@ -131,7 +131,8 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
     Four launches of the small-row kernel replace the two norms, the gate and the four
     matmuls: each norm, the gate and each residual add ride along with the projection
     next to them (see ``kernels/small_linear.py``): the gate in w13's epilogue for a wide
-    model, in w2's prologue for a small one (``gate_in_epilogue``). Under tensor parallelism
+    model, in w2's prologue for a small one (``gate_in_epilogue``). An MoE block's experts take three
+    launches instead of two (``fused_moe.moe_one_row_triton``: the router, gate/up, down). Under tensor parallelism
     ``wo`` and ``w2`` give this rank's part, summed over the ranks (``block.tp.reduce``): only
     rank 0 adds the residual to its part, so that the sum holds it once.
     """
@@ -140,6 +141,10 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
         h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
     h = tp.reduce(small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight,
                                                    residual=h if tp.leads else None))
+    if getattr(ffn, "routed", False):  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
+        assert tp.world_size == 1, "MoE layers are not split over ranks"
+        return fused_moe.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
+                                            ffn.w2, ffn.top_k, ffn.renormalize)
     ffn_norm = dict(norm_weight=block.ffn_norm.weight, eps=block.ffn_norm.eps)
     residual = h if tp.leads else None
     if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):
@@ -153,6 +158,7 @@ class TritonOps:
     """The GPU kernels, and the one-row block they make possible."""
 
     fuses_one_row = True
+    fuses_moe_one_row = True  # block_one_row takes an MoE block too
     rope = staticmethod(_rope_positions)
     rms_norm = staticmethod(norm.rms_norm_triton)
     add_rms_norm = staticmethod(norm.add_rms_norm_triton)
