@@ -39,6 +39,7 @@ class Ops(Protocol):
     """What a model's math may call. Shapes: x [T, D]; q [T, H, Dh]; k, v [T, Hkv, Dh]."""
 
     fuses_one_row: bool  # has ``block_one_row``: the dense block for a one-token step
+    fuses_qk_norm: bool  # ``attend`` takes ``qk_norm=(q weight, k weight, eps)``: Qwen3's per-head norms, inside
 
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope: ...
 
@@ -92,6 +93,7 @@ class TorchOps:
     """The torch references: the CPU's path, and the ground truth of every kernel."""
 
     fuses_one_row = False
+    fuses_qk_norm = False
     rope = staticmethod(_rope_cos_sin)
     rms_norm = staticmethod(norm.rms_norm_reference)
     add_rms_norm = staticmethod(norm.add_rms_norm_reference)
@@ -159,6 +161,7 @@ class TritonOps:
 
     fuses_one_row = True
     fuses_moe_one_row = True  # block_one_row takes an MoE block too
+    fuses_qk_norm = True  # in the decode launch (rope_attend_triton)
     rope = staticmethod(_rope_positions)
     rms_norm = staticmethod(norm.rms_norm_triton)
     add_rms_norm = staticmethod(norm.add_rms_norm_triton)
