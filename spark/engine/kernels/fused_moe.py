@@ -33,6 +33,12 @@ reads the experts straight from ``topk_ids`` instead, as matrix-vector products 
    registers. No atomics and no per-slot ``y``: the sum has one order, so the output is
    deterministic and each token's result does not depend on the others in the batch.
 
+Decode's one row goes further (``moe_one_row_triton``, the MoE block's part of ``TritonOps.block_one_row``):
+the router's GEMV takes the RMSNorm in its prologue, every gate/up program routes its token from
+the logits itself (``route_token``: no routing launch) and normalises x on the way, and the down
+kernel adds the residual: three launches, all with PDL, for the norm, router, routing, experts,
+combine and residual add.
+
 Both read the weights in the layout above (rows contiguous along K), the big-batch layout.
 With the reference's roundings (gate and up rounded before the SwiGLU, each pick's product
 rounded before its weight) the path is bit-exact with ``fused_moe_reference`` up to the order

@@ -5,7 +5,8 @@ where it used to ask each tensor ``x.is_cuda``. ``TorchOps`` spells out the math
 (the references every kernel is tested against); ``TritonOps`` is the same math in
 the GPU kernels, with the fusions that make decode fast: an add fused into the next
 norm, projections of 33-64 rows in the small-row kernel (maybe split over K), and
-for a one-row step the whole dense block in four small-row launches. ``CpuOps`` is
+for a one-row step the whole dense block in four small-row launches (an MoE block's experts in
+three launches, ``fused_moe.moe_one_row_triton``), Qwen3's q/k norms inside the decode attention launch. ``CpuOps`` is
 the CPU's path: the references, but a decode step's attention in one batched call.
 An MoE layer's experts (``moe``) run the loop-over-experts reference on the CPU and
 the fused, graph-capturable kernels of ``kernels/fused_moe.py`` on the GPU (GEMVs for a few
