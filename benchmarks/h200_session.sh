@@ -70,6 +70,9 @@ for name in "$@"; do
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
         moe-short) step "$name" 300 python moe_decode.py --out "$OUT/moe.json" ;;
+        # batch 1: the one-row MoE block against the generic path (both with q/k norms in the decode launch)
+        moe-b1-ab) step "$name" 400 bash -c 'python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" &&
+            SPARK_MOE_ONE_ROW=0 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1-generic.json"' ;;
         moe-gemv) step "$name" 150 python moe_gemv_bench.py --out "$OUT/moe-gemv.json" ;;
         moe-gemv-sweep) step "$name" 240 python moe_gemv_bench.py --sweep --out "$OUT/moe-gemv-sweep.json" ;;
         step-cost) step "$name" 120 python step_cost.py --out "$OUT/step-cost.json" ;;

@@ -66,12 +66,29 @@ class ExpertCounter:
                         self.counts.append(ids.unique())
                 self.handles.append(ffn.register_forward_pre_hook(hook))
 
+        # A one-row step (batch 1 on the GPU) calls no SparseMoe.forward: its layers' sublayer is
+        # fused_moe.moe_one_row_triton (reached through the module at each call), counted here.
+        from spark.engine.kernels import fused_moe, small_linear
+
+        self.one_row = one_row = fused_moe.moe_one_row_triton
+
+        def counted_one_row(h, norm_weight, eps, router, w13, w2, top_k, renormalize, *rest, **kw):
+            if h.shape[0] == self.batch:
+                logits = small_linear.small_linear_reference(h, router, norm_weight=norm_weight, eps=eps)
+                self.counts.append(route(logits, top_k, renormalize)[1].unique())
+            return one_row(h, norm_weight, eps, router, w13, w2, top_k, renormalize, *rest, **kw)
+
+        fused_moe.moe_one_row_triton = counted_one_row
+
     def mean(self) -> float:
         return sum(int(c.numel()) for c in self.counts) / max(1, len(self.counts))
 
     def remove(self) -> None:
+        from spark.engine.kernels import fused_moe
+
         for h in self.handles:
             h.remove()
+        fused_moe.moe_one_row_triton = self.one_row
 
 
 def first_moe(model):
@@ -89,6 +106,8 @@ def moe_path(model, batch: int) -> str:
     moe = first_moe(model)
     if moe.ops.moe is not ops.TritonOps.moe:
         return "reference"
+    if batch == 1 and model.one_row:
+        return "one-row"  # fused_moe.moe_one_row_triton: the router, then the GEMVs routing from its logits
     return fused_moe.moe_path(batch, moe.top_k, moe.w13.shape[0])
 
 

@@ -3,6 +3,9 @@
     python benchmarks/moe_gemv_bench.py                  # Qwen3-MoE and Mixtral shapes, 1/2/4/8 tokens
     python benchmarks/moe_gemv_bench.py --sweep          # and a sweep of the GEMV tiles at 1 token
 
+At 1 token it also times the one-row sublayer (``moe_one_row_triton``: the router, then the GEMVs
+routing from its logits, the norm and residual add folded in; ``one_row_us``).
+
 One layer's experts of the preset's shapes (random bf16, never zero); each timed call routes
 its tokens to a fresh random top-k (distinct experts within a token), and the calls rotate over
 24 such routings, so that the weights come from HBM, not from L2. Times are CUDA-graph replays
@@ -95,6 +98,17 @@ def main() -> int:
                 us = time_path(getattr(fused_moe, f"fused_moe_{name}_triton"), x, w13, w2, routes)
                 row[f"{name}_us"] = round(us, 2)
                 row[f"{name}_frac"] = round(nbytes / (us * 1e-6) / copy, 3)
+            if tokens == 1:
+                # The one-row sublayer (decode's batch 1): router, gate/up routing from its logits, down
+                # with the residual add; its norm on the way. One fresh token a call (its own experts).
+                router = torch.randn(experts, hidden, generator=gen, device="cuda") * 4 * hidden**-0.5
+                router = router.to(torch.bfloat16)
+                norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+                hs = [torch.randn(1, hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(CALLS)]
+                us = graph_time_us([lambda h=h: fused_moe.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2,
+                                                                             k, True) for h in hs])
+                row["one_row_us"] = round(us, 2)
+                row["one_row_frac"] = round((nbytes + router.numel() * 2) / (us * 1e-6) / copy, 3)
             doc["results"].append(row)
             print(row, flush=True)
             if args.sweep and tokens == 1:

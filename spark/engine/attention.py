@@ -16,7 +16,7 @@ import functools
 import attrs
 import torch
 
-from spark.engine.kernels import kv_write, paged_attention as pa, prefill_attention, rope
+from spark.engine.kernels import kv_write, norm, paged_attention as pa, prefill_attention, rope
 from spark.engine.kv_cache import pages_and_scale
 
 
@@ -116,8 +116,12 @@ def rope_attend_triton(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, Dh], any strides: the kernels write the result there
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q weight, k weight, eps): Qwen3's
 ) -> torch.Tensor:
     """``rope_attend_reference`` in Triton kernels. Returns [T, H, Dh]: ``out`` when given.
+
+    ``qk_norm``: RMSNorm each head of q and k first (Qwen3), inside the decode launch where a step
+    takes it, else by two launches of the norm kernel.
 
     Decode at small batch is bound by kernel launches: a decode-only step rotates,
     writes and attends in one launch; any other step rotates and writes in one, then
@@ -130,8 +134,11 @@ def rope_attend_triton(
     if meta.decode_only and not meta.writes_first:
         return pa.paged_decode_attention_rope_triton(
             q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
-            k_scale=k_scale, v_scale=v_scale, out=out,
+            k_scale=k_scale, v_scale=v_scale, out=out, qk_norm=qk_norm,
         )
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = norm.rms_norm_triton(q, q_weight, eps), norm.rms_norm_triton(k, k_weight, eps)
     q = rope.rope_and_write_kv_triton(q, k, v, positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
                                       k_scale, v_scale)
     return attend_triton(q, k_cache, v_cache, meta, scale, out)

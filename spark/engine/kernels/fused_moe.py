@@ -33,6 +33,12 @@ reads the experts straight from ``topk_ids`` instead, as matrix-vector products 
    registers. No atomics and no per-slot ``y``: the sum has one order, so the output is
    deterministic and each token's result does not depend on the others in the batch.
 
+Decode's one row goes further (``moe_one_row_triton``, the MoE block's part of ``TritonOps.block_one_row``):
+the router's GEMV takes the RMSNorm in its prologue, every gate/up program routes its token from
+the logits itself (``route_token``: no routing launch) and normalises x on the way, and the down
+kernel adds the residual: three launches, all with PDL, for the norm, router, routing, experts,
+combine and residual add.
+
 Both read the weights in the layout above (rows contiguous along K), the big-batch layout.
 With the reference's roundings (gate and up rounded before the SwiGLU, each pick's product
 rounded before its weight) the path is bit-exact with ``fused_moe_reference`` up to the order
@@ -45,11 +51,12 @@ import functools
 
 import torch
 
-from spark.engine.kernels import activation
+from spark.engine.kernels import activation, launch, small_linear
 
 triton = None  # bound by _kernels() on first use: TRITON_INTERPRET is read when @triton.jit runs
 tl = None
 _silu_mul = None
+_route_token = None  # route_token, the routing of one token that several kernels share: bound by _kernels()
 
 # Slots from which the alignment is done by torch's sort (many programs) instead of the one-program kernel.
 _ALIGN_IN_ONE_PROGRAM = 4096
@@ -225,25 +232,104 @@ def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
       config: launch shapes as ``gemv_config`` gives them (its default).
     """
     num_tokens, k = topk_ids.shape
+    weights = topk_weights.reshape(-1).float()
+    return _launch_gemvs(x, w13, w2, k, topk_ids.reshape(-1), weights, config=config)
+
+
+def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=False, norm_weight=None, eps=0.0,
+                  residual=None, config=None) -> torch.Tensor:
+    """The gate/up and down GEMVs (``ids``, ``weights`` [T * k]: read, or written from ``logits`` [T, E])."""
+    num_tokens = x.shape[0]
     num_experts, inter2, hidden = w13.shape
     inter = inter2 // 2
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     gate_up_kernel, down_kernel = _kernels()[3:5]
     cfg = config or gemv_config(hidden, inter)
     up, down = cfg["gate_up"], cfg["down"]
-    ids = topk_ids.reshape(-1)
-    weights = topk_weights.reshape(-1).float()
-    h = torch.empty(num_tokens * k, inter, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    gate_up_kernel[(num_tokens * k, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
-        I=inter, D=hidden, TOP_K=k, EVEN_K=hidden % up["BLOCK_K"] == 0, **up)
+    route = logits is not None
+    gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w13, ids, h, logits if route else x, weights, x if norm_weight is None else norm_weight, eps,
+        x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
+        I=inter, D=hidden, TOP_K=top_k, EVEN_K=hidden % up["BLOCK_K"] == 0, ROUTE=route, RENORMALIZE=renormalize,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        NORM=norm_weight is not None, **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0),
-        D=hidden, I=inter, TOP_K=k, EVEN_K=inter % down["BLOCK_K"] == 0, **down)
+        h, w2, ids, weights, x if residual is None else residual, out, w2.stride(0), w2.stride(1),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
+        **down, **launch.pdl(down_kernel, x))
     return out
+
+
+# The router's launch shape in the one-row layer: 2 of its E rows a program, each row whole in one
+# step (64 programs of 8 KB for Qwen3-MoE's 128 x 2048), loaded before the wait on the kernel before
+# (``small_linear.Config.early_tile``): the weight's whole stream in flight under that kernel's tail.
+# Not yet measured against small_linear's default for the shape (8 rows x 1024 columns, 16 programs).
+ROUTER_CONFIG = dict(block_n=2, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True)
+
+
+def router_config(num_experts: int, hidden: int):
+    """``ROUTER_CONFIG`` as a ``small_linear.Config`` for a [num_experts, hidden] router."""
+    cfg = dict(ROUTER_CONFIG, block_k=min(ROUTER_CONFIG["block_k"], triton_next_power_of_2(hidden)))
+    return small_linear.Config(**cfg)
+
+
+def moe_one_row_reference(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
+                          w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The residual stream after an MoE sublayer: ``h + experts(RMSNorm(h) * norm_weight)`` (torch reference).
+
+    The norm is small_linear's prologue (``small_linear_reference`` with ``norm_weight``: the operand
+    ``h * norm_weight`` rounded to h's dtype, the rstd applied to the fp32 products) for the router and
+    for each pick's gate/up; the rest rounds as ``fused_moe_reference``.
+
+    Args:
+      h: the residual stream [T, D]; norm_weight: [D]; router: [E, D]; w13, w2, top_k, renormalize: as
+        ``SparseMoe``'s.
+
+    Returns:
+      [T, D] in h's dtype.
+    """
+    num_tokens = h.shape[0]
+    logits = small_linear.small_linear_reference(h, router, norm_weight=norm_weight, eps=eps)
+    weights, ids = route(logits, top_k, renormalize)
+    total = torch.zeros(num_tokens, h.shape[1], dtype=torch.float32, device=h.device)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            gated = small_linear.small_linear_reference(h[t:t + 1], w13[e], norm_weight=norm_weight, eps=eps,
+                                                        gated_output=True)
+            y = small_linear.small_linear_reference(gated, w2[e])
+            total[t] += (y.float() * weights[t, j]).to(h.dtype).float()[0]
+    return total.to(h.dtype) + h
+
+
+def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+                       config: dict | None = None) -> torch.Tensor:
+    """``moe_one_row_reference`` in three launches, for the tokens of the GEMV path (decode's one row):
+
+    1. the router: small_linear's kernel, the norm in its prologue: logits [T, E];
+    2. gate/up (``moe_gemv_gate_up_kernel``): every program routes its token from the logits, the
+       norm in its prologue; the first output block's programs store the ids and weights;
+    3. down (``moe_gemv_down_kernel``): the weighted combine and the residual add in its epilogue.
+
+    Where the unfused layer launches the add-norm, the router's GEMV, the routing, the two GEMVs and
+    the next norm's residual add. All three take PDL on Hopper. Graph-capturable, no host sync.
+
+    Args:
+      as ``moe_one_row_reference``'s; config: the GEMVs' launch shapes (``gemv_config``'s default).
+    """
+    num_tokens = h.shape[0]
+    logits = small_linear.small_linear_triton(h, router, norm_weight=norm_weight, eps=eps,
+                                              config=router_config(*router.shape))
+    ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=h.device)
+    weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=h.device)
+    return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, renormalize=renormalize,
+                         norm_weight=norm_weight, eps=eps, residual=h, config=config)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -289,9 +375,10 @@ def fused_moe_grouped_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
 def _kernels():
     """(align kernel, grouped GEMM kernel, route kernel, GEMV gate/up kernel, GEMV down kernel),
     JIT-ed at first use."""
-    global triton, tl, _silu_mul
+    global triton, tl, _silu_mul, _route_token
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     _silu_mul = activation.jit_silu_mul()
 
@@ -378,13 +465,12 @@ def _kernels():
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, num_experts, TOP_K: tl.constexpr,
-                         K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
-        # One token: softmax over its experts' logits in fp32, then k rounds of argmax.
-        t = tl.program_id(0).to(tl.int64)
+    def route_token(logits_row, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                    RENORMALIZE: tl.constexpr):
+        """One token's (weights fp32 [K_PAD], expert ids int32 [K_PAD]) from its logits: softmax over the
+        experts in fp32, then k rounds of argmax (the lowest id among ties), renormalised if asked."""
         experts = tl.arange(0, E_PAD)
-        logits = tl.load(logits_ptr + t * stride_t + experts, mask=experts < num_experts,
-                         other=float("-inf")).to(tl.float32)
+        logits = tl.load(logits_row + experts, mask=experts < num_experts, other=float("-inf")).to(tl.float32)
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = p / tl.sum(p, axis=0)
         picks = tl.arange(0, K_PAD)
@@ -402,17 +488,48 @@ def _kernels():
             left = tl.where(experts == at, -1.0, left)
         if RENORMALIZE:
             top_w = top_w / tl.sum(tl.where(picks < TOP_K, top_w, 0.0), axis=0)
+        return top_w, top_i
+
+    _route_token = route_token
+
+    @triton.jit
+    def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, num_experts, TOP_K: tl.constexpr,
+                         K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+        # One token a program.
+        t = tl.program_id(0).to(tl.int64)
+        top_w, top_i = _route_token(logits_ptr + t * stride_t, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        picks = tl.arange(0, K_PAD)
         tl.store(weights_ptr + t * TOP_K + picks, top_w, mask=picks < TOP_K)
         tl.store(ids_ptr + t * TOP_K + picks, top_i, mask=picks < TOP_K)
 
     @triton.jit
-    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, stride_xt, stride_we, stride_wn,
+    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
+                                stride_xt, stride_we, stride_wn, stride_lt, num_experts,
                                 I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
+                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # h[slot, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N of the I outputs of the slot's expert.
+        # ROUTE: the expert comes from the token's router logits (``route_token``, recomputed by
+        # every program: a few reductions over E, in place of a launch), and the programs of the
+        # first output block store each slot's id and weight for the down kernel.
+        # NORM: x is the residual stream, RMSNorm(x) * norm_w taken on the way (small_linear's
+        # prologue: rstd applied to the fp32 products).
         slot = tl.program_id(0)
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
         token = (slot // TOP_K).to(tl.int64)
+        if PDL:  # x, the logits or the ids come from the kernels before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if ROUTE:
+            top_w, top_i = _route_token(logits_ptr + token * stride_lt, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+            picks = tl.arange(0, K_PAD)
+            mine = picks == slot % TOP_K
+            expert = tl.sum(tl.where(mine, top_i, 0), axis=0).to(tl.int64)
+            first = tl.program_id(1) == 0
+            tl.store(ids_ptr + slot + picks * 0, top_i, mask=mine & first)
+            tl.store(weights_ptr + slot + picks * 0, top_w, mask=mine & first)
+        else:
+            expert = tl.load(ids_ptr + slot).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         # The last program's spare outputs re-read row I - 1 instead of masking: the weight
         # loads, the whole cost, stay unmasked along N.
@@ -422,6 +539,8 @@ def _kernels():
         ks = tl.arange(0, BLOCK_K)
         acc_gate = tl.zeros([BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_N], tl.float32)
+        sum_sq = tl.zeros([BLOCK_K], tl.float32)  # the norm's per-lane sums of squares
+        dtype = h_ptr.dtype.element_ty
         for k0 in range(0, D, BLOCK_K):
             k = k0 + ks
             if EVEN_K:
@@ -433,25 +552,36 @@ def _kernels():
                 a = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
                 g = tl.load(gate_rows + k[None, :], mask=k_ok[None, :], other=0.0)
                 u = tl.load(up_rows + k[None, :], mask=k_ok[None, :], other=0.0)
+            if NORM:  # the operand x * norm_w in x's dtype, as small_linear's
+                sum_sq += a * a
+                a = (a * tl.load(norm_w_ptr + k, mask=k < D, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             acc_gate += tl.sum(g.to(tl.float32) * a[None, :], axis=1)
             acc_up += tl.sum(u.to(tl.float32) * a[None, :], axis=1)
-        dtype = h_ptr.dtype.element_ty
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / D + eps)
+            acc_gate = acc_gate * rstd
+            acc_up = acc_up * rstd
         # Gate and up rounded as the unfused projection's output is, the gate in fp32, rounded once.
         h = _silu_mul(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32))
         tl.store(h_ptr + slot.to(tl.int64) * I + cols, h.to(dtype), mask=cols < I)
 
     @triton.jit
-    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_ot,
-                             D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, stride_we, stride_wn,
+                             stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
-        # of the D outputs of one token, the combine in registers.
+        # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
+        # (the residual stream's add, in x's dtype as eager ``h + moe(x)``).
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_offsets = tl.minimum(cols, D - 1).to(tl.int64)[:, None] * stride_wn
         ks = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros([BLOCK_N], tl.float32)
+        if PDL:  # h, the ids and weights come from the kernels before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Unrolled over the picks: their expert ids load up front and their weight streams are
         # independent, so the compiler may put several picks' loads in flight at once.
         for j in tl.static_range(TOP_K):
@@ -473,6 +603,10 @@ def _kernels():
             # The reference's roundings: the product, then the weighted product, in x's dtype.
             weighted = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)
             total += weighted.to(dtype).to(tl.float32)
-        tl.store(out_ptr + token * stride_ot + cols, total.to(dtype), mask=cols < D)
+        y = total.to(dtype)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + token * stride_rt + cols, mask=cols < D, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(out_ptr + token * stride_ot + cols, y, mask=cols < D)
 
     return moe_align_kernel, moe_gemm_kernel, moe_route_kernel, moe_gemv_gate_up_kernel, moe_gemv_down_kernel

@@ -33,6 +33,7 @@ _rope_cos_sin = None  # rope's cos/sin, so that k rotated here equals k rotated 
 _load_block = _attend_block = None  # key_block's two halves of a step, for the early first block
 _partition = None  # the keys of one split-KV program
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
+_head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
@@ -271,6 +272,7 @@ def paged_decode_attention_rope_triton(
     v_scale: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Rope, KV write and decode attention in one launch (plus the reduce when split).
 
@@ -299,6 +301,9 @@ def paged_decode_attention_rope_triton(
       config: how the kernel walks keys; None picks it by `decode_config`.
       k_scale, v_scale: `[Hkv]` fp32 scales of an fp8 cache (the new token stored quantized), or None.
       out: as `paged_decode_attention_triton`'s.
+      qk_norm: (q weight `[D]`, k weight `[D]`, eps) of Qwen3's per-head RMSNorm, taken on q and k
+        before the rotation, as `norm.rms_norm_reference` rounds it (two launches fewer a layer
+        than the unfused norms); None: q and k come normed, or take no norm.
 
     Returns:
       `out`, or a new `[B, H, D]` in q's dtype.
@@ -306,13 +311,15 @@ def paged_decode_attention_rope_triton(
     batch, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and q.shape[0] == batch and q.shape[2] == head_dim and head_dim % 2 == 0
     assert inv_freq.shape == (head_dim // 2,) and positions.shape == slot_mapping.shape == (batch,)
+    if qk_norm is not None:
+        assert qk_norm[0].shape == qk_norm[1].shape == (head_dim,)
     rope_args = (k, v, positions, inv_freq, slot_mapping)
     return _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
-                          k_scale, v_scale, out)
+                          k_scale, v_scale, out, qk_norm)
 
 
 def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, config,
-                   k_scale=None, v_scale=None, out=None):
+                   k_scale=None, v_scale=None, out=None, qk_norm=None):
     """Launch the decode kernel (with rope + KV write when `rope_args` is given) and the reduce."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -347,8 +354,9 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         partial_max = partial_sum = partial_out = _no_partials(q.device)
     # Without rope the kernel never touches the rope arguments: any tensors fill them.
     k, v, positions, inv_freq, slot_mapping = rope_args or (q, q, seq_lens, partial_max, seq_lens)
+    q_norm_w, k_norm_w, norm_eps = qk_norm or (q, q, 0.0)  # unread without QK_NORM
     decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, positions, inv_freq, slot_mapping,
+        q, k, v, positions, inv_freq, slot_mapping, q_norm_w, k_norm_w, norm_eps,
         k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
         k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,  # unread unless SCALED
         *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
@@ -356,7 +364,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
-        SCALED=scaled,
+        SCALED=scaled, QK_NORM=qk_norm is not None,
         # Batch 1 only: there the projection before this kernel is the small-row linear,
         # whose PDL trigger lets this one start early. Behind cuBLAS (larger batches) the
         # loads are not early, and taking the first block out of the pipelined key loop
@@ -413,7 +421,7 @@ def _kernels():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize
+    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize, _head_norm
     _quantize = fp8.jit_quantize()
     _attend_keys = key_block.attend_keys()
     _load_block, _attend_block = key_block.steps()
@@ -431,6 +439,23 @@ def _kernels():
 
     _partition = partition
 
+    @triton.jit
+    def head_norm(x1, x2, weight_ptr, lane, half, dim_ok, head_dim, eps, dtype):
+        """RMSNorm of each row of heads held as rope's halves: lane d has x1 = x[d % half] and
+        x2 = x[half + d % half] ([rows, BLOCK_D] fp32, masked lanes 0). Returns them normed as
+        `norm.rms_norm_reference` rounds: x * rstd rounded to `dtype`, times the weight, rounded.
+        Every element sits in two lanes (as x1 in one, x2 in another), so the lanes' x1^2 + x2^2
+        sum to twice the row's sum of squares."""
+        mean_square = tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * head_dim)
+        rstd = tl.rsqrt(mean_square + eps)[:, None]
+        w1 = tl.load(weight_ptr + lane, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + half + lane, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        return x1, x2
+
+    _head_norm = head_norm
+
     # What changes from step to step is not specialized on: the ints (the block table's width, the
     # split count: Triton's ==1 and %16 cases) and the alignment of the int32 metadata (a mixed step
     # slices its decode rows' and its chunks' out of one array, at any row). Each case was a compile
@@ -439,7 +464,7 @@ def _kernels():
     @triton.jit(do_not_specialize=["stride_bt", "num_splits"], do_not_specialize_on_alignment=[
         "positions_ptr", "slot_ptr", "block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"])
     def decode_kernel(
-        q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
+        q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
         partial_max_ptr, partial_sum_ptr, partial_out_ptr, k_scale_ptr, v_scale_ptr,
         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd, stride_f,
@@ -449,6 +474,7 @@ def _kernels():
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         SCALED: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+        QK_NORM: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -493,14 +519,18 @@ def _kernels():
                 cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
             x1 = tl.load(q_src + lane[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
             x2 = tl.load(q_src + (half + lane[None, :]) * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+            if QK_NORM:
+                x1, x2 = _head_norm(x1, x2, q_norm_ptr, lane, half, dim_ok, head_dim, norm_eps, q_ptr.dtype.element_ty)
             q = tl.where(first, x1 * cos - x2 * sin, x2 * cos + x1 * sin)
             # Rounded to q's dtype, as the unfused path hands attention a rotated q.
             q = q.to(q_ptr.dtype.element_ty).to(tl.float32)
             # The new token's key, the same rotation on its kv head's [D] vector.
             k_src = k_ptr + seq * stride_kb + kv_head * stride_kh
-            x1 = tl.load(k_src + lane * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)
-            x2 = tl.load(k_src + (half + lane) * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)
-            k_new = tl.where(first, x1[None, :] * cos - x2[None, :] * sin, x2[None, :] * cos + x1[None, :] * sin)
+            x1 = tl.load(k_src + lane * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+            x2 = tl.load(k_src + (half + lane) * stride_kd, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+            if QK_NORM:
+                x1, x2 = _head_norm(x1, x2, k_norm_ptr, lane, half, dim_ok, head_dim, norm_eps, k_ptr.dtype.element_ty)
+            k_new = tl.where(first, x1 * cos - x2 * sin, x2 * cos + x1 * sin)
             # Rounded to k's dtype, then the cache's (as the unfused path stores it); v copied.
             k_new = k_new.to(k_ptr.dtype.element_ty)  # [1, BLOCK_D]
             v_new = tl.load(v_ptr + seq * stride_vb + kv_head * stride_vh + dims[None, :] * stride_vd,

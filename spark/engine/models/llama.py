@@ -107,6 +107,9 @@ class Attention(nn.Module):
     def attend_heads(self, q, k, v, rope, k_cache, v_cache, meta: AttentionMetadata,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         """``attend`` of ``heads``' views. Returns [T, H, Dh]: ``out`` when given (any strides), written in place."""
+        if self.q_norm is not None and self.ops.fuses_qk_norm:
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return self.ops.attend(q, k, v, rope, k_cache, v_cache, meta, self.scale, out, qk_norm=qk_norm)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.ops.attend(q, k, v, rope, k_cache, v_cache, meta, self.scale, out)

@@ -14,6 +14,8 @@ in the runtime's dtype (the packed formats leave them alone).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -25,6 +27,8 @@ from spark.engine.models.runtime import Runtime
 
 
 class SparseMoe(nn.Module):
+    routed = True  # what ``ops.block_one_row`` asks a feed-forward
+
     def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
         self.ops = ops
@@ -44,7 +48,10 @@ class MoeModel(LlamaModel):
 
     def __init__(self, config: ModelConfig, runtime: Runtime):
         super().__init__(config, runtime)
-        self.one_row = False  # the fused one-row block is the dense MLP's
+        # Batch-1 decode: the one-row block, where the ops fuse an MoE block's too (the GPU's); the
+        # CPU's is the dense MLP's. SPARK_MOE_ONE_ROW=0 keeps the generic path (for measuring it).
+        self.one_row = (self.one_row and getattr(runtime.ops, "fuses_moe_one_row", False)
+                        and os.environ.get("SPARK_MOE_ONE_ROW", "1") != "0")
 
     def make_block(self, config: ModelConfig, ops: Ops, layer: int) -> nn.Module:
         block = Block(config, ops)

@@ -5,7 +5,8 @@ where it used to ask each tensor ``x.is_cuda``. ``TorchOps`` spells out the math
 (the references every kernel is tested against); ``TritonOps`` is the same math in
 the GPU kernels, with the fusions that make decode fast: an add fused into the next
 norm, projections of 33-64 rows in the small-row kernel (maybe split over K), and
-for a one-row step the whole dense block in four small-row launches. ``CpuOps`` is
+for a one-row step the whole dense block in four small-row launches (an MoE block's experts in
+three launches, ``fused_moe.moe_one_row_triton``), Qwen3's q/k norms inside the decode attention launch. ``CpuOps`` is
 the CPU's path: the references, but a decode step's attention in one batched call.
 An MoE layer's experts (``moe``) run the loop-over-experts reference on the CPU and
 the fused, graph-capturable kernels of ``kernels/fused_moe.py`` on the GPU (GEMVs for a few
@@ -39,6 +40,7 @@ class Ops(Protocol):
     """What a model's math may call. Shapes: x [T, D]; q [T, H, Dh]; k, v [T, Hkv, Dh]."""
 
     fuses_one_row: bool  # has ``block_one_row``: the dense block for a one-token step
+    fuses_qk_norm: bool  # ``attend`` takes ``qk_norm=(q weight, k weight, eps)``: Qwen3's per-head norms, inside
 
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope: ...
 
@@ -92,6 +94,7 @@ class TorchOps:
     """The torch references: the CPU's path, and the ground truth of every kernel."""
 
     fuses_one_row = False
+    fuses_qk_norm = False
     rope = staticmethod(_rope_cos_sin)
     rms_norm = staticmethod(norm.rms_norm_reference)
     add_rms_norm = staticmethod(norm.add_rms_norm_reference)
@@ -131,7 +134,8 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
     Four launches of the small-row kernel replace the two norms, the gate and the four
     matmuls: each norm, the gate and each residual add ride along with the projection
     next to them (see ``kernels/small_linear.py``): the gate in w13's epilogue for a wide
-    model, in w2's prologue for a small one (``gate_in_epilogue``). Under tensor parallelism
+    model, in w2's prologue for a small one (``gate_in_epilogue``). An MoE block's experts take three
+    launches instead of two (``fused_moe.moe_one_row_triton``: the router, gate/up, down). Under tensor parallelism
     ``wo`` and ``w2`` give this rank's part, summed over the ranks (``block.tp.reduce``): only
     rank 0 adds the residual to its part, so that the sum holds it once.
     """
@@ -140,6 +144,10 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
         h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
     h = tp.reduce(small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight,
                                                    residual=h if tp.leads else None))
+    if getattr(ffn, "routed", False):  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
+        assert tp.world_size == 1, "MoE layers are not split over ranks"
+        return fused_moe.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
+                                            ffn.w2, ffn.top_k, ffn.renormalize)
     ffn_norm = dict(norm_weight=block.ffn_norm.weight, eps=block.ffn_norm.eps)
     residual = h if tp.leads else None
     if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):
@@ -153,6 +161,8 @@ class TritonOps:
     """The GPU kernels, and the one-row block they make possible."""
 
     fuses_one_row = True
+    fuses_moe_one_row = True  # block_one_row takes an MoE block too
+    fuses_qk_norm = True  # in the decode launch (rope_attend_triton)
     rope = staticmethod(_rope_positions)
     rms_norm = staticmethod(norm.rms_norm_triton)
     add_rms_norm = staticmethod(norm.add_rms_norm_triton)

@@ -208,3 +208,56 @@ def test_fused_moe_triton_dispatches_by_token_count(monkeypatch, tokens, path):
     out = fm.fused_moe_triton(x, w13, w2, weights, ids)
     assert taken == [path]
     torch.testing.assert_close(out, fm.fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def make_one_row(tokens, shape, dtype, seed):
+    """(h [T, D], norm weight [D], router [E, D], w13, w2, top-k) of ``shape`` (experts, top-k, D, I); a router
+    wide enough that the kernel's and the reference's logits pick the same experts."""
+    experts, k, hidden, inter = shape
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g).to(dtype)
+    norm_weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype)
+    router = (4 * torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    _, w13, w2, _, _ = make_moe(tokens, experts, k, hidden, inter, dtype, seed=seed)
+    return h, norm_weight, router, w13, w2, k
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("shape", [QWEN3_MOE_SMALL, MIXTRAL_SMALL], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_one_row_matches_reference_fp32(tokens, shape, renormalize):
+    h, norm_weight, router, w13, w2, k = make_one_row(tokens, shape, torch.float32, seed=tokens)
+    out = fm.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, renormalize)
+    assert out.shape == h.shape and out.dtype == h.dtype
+    want = fm.moe_one_row_reference(h, norm_weight, 1e-6, router, w13, w2, k, renormalize)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_reference_is_the_unfused_layer():
+    # norm, router, route, experts, residual add, each as the generic path computes it (fp32: the
+    # norm's roundings do not matter).
+    from spark.engine.kernels import norm
+
+    h, norm_weight, router, w13, w2, k = make_one_row(2, QWEN3_MOE_SMALL, torch.float32, seed=7)
+    x = norm.rms_norm_reference(h, norm_weight, 1e-6)
+    weights, ids = fm.route(x @ router.T, k, True)
+    torch.testing.assert_close(fm.moe_one_row_reference(h, norm_weight, 1e-6, router, w13, w2, k, True),
+                               h + fm.fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [QWEN3_MOE_SMALL, MIXTRAL_SMALL], ids=["qwen3_moe", "mixtral"])
+def test_one_row_bf16_rounds_as_the_reference(shape):
+    h, norm_weight, router, w13, w2, k = make_one_row(1, shape, torch.bfloat16, seed=3)
+    assert_bf16_nearly_exact(fm.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True),
+                             fm.moe_one_row_reference(h, norm_weight, 1e-6, router, w13, w2, k, True), min_exact=0.98)
+
+
+def test_gate_up_routes_as_route_triton():
+    # The ids and weights the gate/up kernel stores for the down kernel are route_triton's, bit for bit.
+    h, norm_weight, router, w13, w2, k = make_one_row(2, QWEN3_MOE_SMALL, torch.bfloat16, seed=5)
+    logits = (3 * torch.randn(2, w13.shape[0], generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    ids = torch.empty(2 * k, dtype=torch.int32)
+    weights = torch.empty(2 * k)
+    fm._launch_gemvs(h, w13, w2, k, ids, weights, logits=logits, renormalize=True)
+    want_w, want_i = fm.route_triton(logits, k, True)
+    assert torch.equal(ids, want_i.reshape(-1)) and torch.equal(weights, want_w.reshape(-1))

@@ -359,3 +359,27 @@ def test_pdl_is_off_off_the_gpu():
 def test_decode_config_follows_head_dim():
     assert decode_config(128) == DecodeConfig(block_n=64, num_warps=4, num_stages=2)
     assert decode_config(64).num_warps == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_rope_triton_with_qk_norm_is_norms_then_the_kernel(dtype, num_splits, bf16_rounds_to_nearest):
+    """Qwen3's per-head q/k RMSNorm inside the decode launch (``qk_norm``): the output and the cache the
+    unfused path gives (``rms_norm_triton`` on q and k, then the kernel), bit for bit in the cache's k."""
+    from spark.engine.kernels import norm
+
+    step = _decode_step([1, 0, 17, 65], 16, 2, 4, 128, seed=11, dtype=dtype)
+    q, k, v = step[0]
+    gen = torch.Generator().manual_seed(12)
+    q_weight, k_weight = ((1 + 0.3 * torch.randn(128, generator=gen)).to(dtype) for _ in range(2))
+    fused, k_fused, v_fused = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits,
+                                               qk_norm=(q_weight, k_weight, 1e-6))
+    normed = (norm.rms_norm_triton(q, q_weight, 1e-6), norm.rms_norm_triton(k, k_weight, 1e-6), v)
+    unfused, k_unfused, v_unfused = _run_rope_decode(paged_decode_attention_rope_triton, normed, *step[1:],
+                                                     num_splits=num_splits)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fused, unfused, rtol=tol, atol=tol)
+    # The row's mean square summed in another order: rarely an ulp of the normed k in bf16.
+    same = (k_fused == k_unfused) | (k_fused.isnan() & k_unfused.isnan())
+    assert same.float().mean() > 0.99 and torch.equal(v_fused.nan_to_num(), v_unfused.nan_to_num())
+    torch.testing.assert_close(k_fused, k_unfused, rtol=tol, atol=tol, equal_nan=True)
