@@ -13,7 +13,8 @@ then does the server say ready:
 - a long context (up to 16k tokens) prefilled in chunks, then decoded beside short ones and beside a
   prompt chunk: the chunked-prefill attention over a cache, and every split-KV partition count the
   decode kernel picks, with RoPE in the kernel and without (a step with prompt tokens);
-- decode steps of every batch size from the largest the server allows down to 1, greedy and sampled.
+- decode steps of every batch size from the largest the server allows down to 1, greedy and sampled,
+  and a prompt chunk beside the largest.
 
 Triton keeps what it compiled on disk (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), so a restart on
 the same machine loads the kernels instead of compiling them: ``python benchmarks/startup.py``
@@ -122,7 +123,7 @@ def warm_up(engine, shape: WarmupShape, *, progress: bool = True, any_device: bo
     long_len = min(LONG_CONTEXT, engine.max_model_len - 64, _tokens_for_pages(engine, max_batch + 8) // 2)
     per_step = max(1, budget // SHORT_PROMPT)  # short prompts prefilled in one step
     total = (1 + 4 * len(sizes) + (-(-long_len // budget) + 6 if long_len > budget else 0)
-             + 2 * (-(-max_batch // per_step) + max_batch))
+             + 2 * (-(-max_batch // per_step) + 1 + max_batch))
     with LoadProgress(total, "warm-up (kernels for every step shape)", enabled=progress, unit="steps") as bar:
         d = _Driver(engine, bar)
         rows = [d.add(SHORT_PROMPT, _GREEDY if i % 2 else _SAMPLED) for i in range(min(4, max_batch))]
@@ -155,6 +156,11 @@ def warm_up(engine, shape: WarmupShape, *, progress: bool = True, any_device: bo
             batch = [d.add(SHORT_PROMPT, params) for _ in range(max_batch)]
             for i in range(0, max_batch, per_step):
                 d.prefill_all(batch[i:i + per_step])
+            # A prompt chunk beside the whole batch: decode attention without RoPE and without a
+            # split (the rows alone fill the GPU), which a few rows beside a chunk never pick.
+            chunk = d.add(SHORT_PROMPT)
+            d.step({**{s: 1 for s in batch}, chunk: SHORT_PROMPT})
+            d.drop([chunk])
             for b in decode_batches(max_batch):
                 d.step({s: 1 for s in batch[:b]})
             d.drop(batch)
