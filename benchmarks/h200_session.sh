@@ -58,6 +58,10 @@ for name in "$@"; do
         step-cost-short) step "$name" 90 python step_cost.py --rows 64,256 --prefill 0,128,512,2048 --steps 8 \
             --out "$OUT/step-cost.json" ;;
         profile-host) step "$name" 120 python profile_host.py --rows 32 --prefill 0,128 ;;
+        # issue 21: constrained vs free decode (dummy 8B, 64 rows of forced calls and JSON), with a third
+        # kind of run, the grammars as xgrammar writes them (bounded repeats unchained), alternated in one process
+        grammar-chains) step "$name" 420 python ../scripts/gpu_grammar_check.py --repeats 5 --compare-chains \
+            --out "$OUT/grammar-chains.json" ;;
         *) echo "unknown step $name" ;;
     esac
 done

@@ -86,3 +86,25 @@ def test_chained_grammars_give_the_same_masks_as_xgrammars_own(tokenizer, shorte
         assert a._matcher.is_terminated() == b._matcher.is_terminated()
         ended += a._matcher.is_terminated()
     assert ended >= 4  # walks went through the whole call (one into the free "text" may not end)
+
+
+@pytest.mark.parametrize("fmt, opening", [("qwen3_coder", "<tool_call>\n<function=note>\n"),
+                                          ("minimax", '<minimax:tool_call>\n<invoke name="note">\n')])
+def test_a_strict_tool_under_auto_with_reasoning_keeps_its_masks_too(tokenizer, shortest, fmt, opening):
+    """Free text, an optional think block and triggered calls (xgrammar's tag dispatch) read back from the
+    printed grammar as they were: the masks of a call entered after some text are the same."""
+    strict = {"type": "function", "function": {**_STRINGS["function"], "strict": True}}
+    spec = turn_grammar(tool_parser=fmt, tools=[strict], tool_choice=ToolChoice("auto"), parallel_tool_calls=True,
+                        schema=None, reasoning="auto")
+    chained, plain = (XGrammars(tokenizer, tokenizer.vocab_size, chain_repeats=on) for on in (True, False))
+    assert chained.compiled(spec) is not plain.compiled(spec)
+    for seed in range(6):
+        rng, a, b = random.Random(seed), chained.matcher(spec), plain.matcher(spec)
+        for text in ("<think>hm</think>\n\nSure.\n", opening):
+            assert [a._matcher.accept_string(text), b._matcher.accept_string(text)] == [True, True]
+        for _ in range(40):
+            mask_a, mask_b = (np.frombuffer(m, dtype=np.uint8) for m in chained.masks([a]) + plain.masks([b]))
+            assert np.array_equal(mask_a, mask_b)
+            bits = np.unpackbits(mask_a, bitorder="little")[:tokenizer.vocab_size].astype(bool)
+            token = int(rng.choice(list(shortest[bits[shortest]][:40])))
+            assert a.accept(token) and b.accept(token)
