@@ -1,6 +1,6 @@
 """Host time of a constrained step's masks on this machine (issue 21), no model and no GPU.
 
-    python benchmarks/grammar_host.py [--batches 64 1] [--steps 70] [--repeats 5]
+    python benchmarks/grammar_host.py [--batches 64 1] [--steps 70] [--repeats 5] [--no-chains]
 
 The H200 check's requests (scripts/gpu_grammar_check.py: 16 forced calls in each of hermes,
 qwen3_coder and minimax, 16 JSON answers) over the default model's tokenizer: each row walks its
@@ -107,11 +107,13 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--steps", type=int, default=70)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-chains", action="store_true", help="compile the grammars as xgrammar writes them "
+                    "(XGrammars chain_repeats=False): the A side of spark.engine.grammar_chains")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_gguf(default_model_path())
-    grammars = XGrammars(tokenizer, tokenizer.vocab_size)
+    grammars = XGrammars(tokenizer, tokenizer.vocab_size, chain_repeats=not args.no_chains)
     by_name = specs()
     result = {"bench": "grammar_host", "vocab": tokenizer.vocab_size, "steps": args.steps}
     for batch in args.batches:

