@@ -49,6 +49,9 @@ _BLOCK_N = 64
 _TARGET_PROGRAMS = 264
 _MIN_KEYS_PER_SPLIT = _BLOCK_N
 _MAX_SPLITS = 32
+# Keys per step over an fp8 cache (decode_config); a module value for A/B runs
+# (benchmarks/kv_dtype_decode.py --fp8-block-n), read when the first fp8 launch asks.
+FP8_BLOCK_N = 128
 
 
 @attrs.frozen
@@ -71,10 +74,14 @@ class DecodeConfig:
 
 
 @functools.cache  # asked at every launch; a frozen value, shared
-def decode_config(head_dim: int) -> DecodeConfig:
+def decode_config(head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
     """The fastest config of `benchmarks/attention_bench.py` on an H200 (bf16, page size
-    16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2."""
-    return DecodeConfig(num_warps=4 if head_dim >= 128 else 2)
+    16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2.
+
+    An fp8 cache's keys are half the bytes: `FP8_BLOCK_N` keys a step move the bytes of the
+    bf16 config's 64, so that each step's fixed costs (the page ids, the softmax's reductions,
+    the loop-carried wait) are paid per as many bytes, and as many bytes are in flight."""
+    return DecodeConfig(block_n=FP8_BLOCK_N if fp8_cache else _BLOCK_N, num_warps=4 if head_dim >= 128 else 2)
 
 
 def paged_attention_reference(
@@ -328,13 +335,13 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     if batch == 0:
         return out
     decode_kernel, reduce_kernel = _kernels()
-    cfg = config or decode_config(head_dim)
+    cfg = config or decode_config(head_dim, k_cache.dtype == fp8.FP8)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
     # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p
-    # is rounded to it for PV, as in flash-attention), fp8 caches in bf16 (their values are
-    # exact in it). fp32 caches and the interpreter, which mishandles dot and arithmetic on
-    # bf16, use fp32 tiles with exact products.
+    # is rounded to it for PV, as in flash-attention), fp8 caches in fp16 (their values are
+    # exact in it, and it is one conversion away; a bf16 q is too). fp32 caches and the
+    # interpreter, which mishandles dot and arithmetic on bf16, use fp32 tiles with exact products.
     interpreted = launch.interpreting(decode_kernel)
     half_dot = half_dots(k_cache.dtype, q.dtype) and not interpreted
     scaled = k_scale is not None
@@ -380,7 +387,7 @@ def _no_partials(device: torch.device) -> torch.Tensor:
 
 def half_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
     """Whether a GPU kernel's dots take half-precision tiles: a bf16/fp16 cache, or an fp8 one
-    (as bf16) under half-precision queries."""
+    (as fp16) under half-precision queries."""
     return cache_dtype in (torch.bfloat16, torch.float16) or (
         cache_dtype == fp8.FP8 and q_dtype in (torch.bfloat16, torch.float16))
 
@@ -524,7 +531,9 @@ def _kernels():
         q_dot = q
         if HALF_DOT:
             if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
-                q_dot = q.to(tl.bfloat16)  # the dtype key_block hands fp8 keys in
+                # fp16, the dtype key_block hands fp8 keys in: exact for a bf16 q inside fp16's range,
+                # clamped to it (a q past 65504 would score inf, then NaN)
+                q_dot = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
             else:
                 q_dot = q.to(k_cache_ptr.dtype.element_ty)
         last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1  # every row sees the whole partition

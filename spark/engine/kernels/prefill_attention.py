@@ -183,7 +183,8 @@ def _kernel():
         )
         if HALF_DOT:
             if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
-                q = q.to(tl.bfloat16)  # the dtype key_block hands fp8 keys in
+                # fp16, the dtype key_block hands fp8 keys in (exact for a bf16 q in its range)
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
             else:
                 q = q.to(k_cache_ptr.dtype.element_ty)
         else:

@@ -359,3 +359,13 @@ def test_pdl_is_off_off_the_gpu():
 def test_decode_config_follows_head_dim():
     assert decode_config(128) == DecodeConfig(block_n=64, num_warps=4, num_stages=2)
     assert decode_config(64).num_warps == 2
+
+
+def test_decode_config_of_an_fp8_cache_steps_over_as_many_bytes():
+    """fp8 keys are half of bf16's bytes: twice the keys a step, the rest as the bf16 config."""
+    from spark.engine.kernels import paged_attention
+
+    for head_dim in (64, 128):
+        fp8, bf16 = decode_config(head_dim, True), decode_config(head_dim)
+        assert fp8.block_n == paged_attention.FP8_BLOCK_N == 2 * bf16.block_n
+        assert (fp8.num_warps, fp8.num_stages) == (bf16.num_warps, bf16.num_stages)
