@@ -96,7 +96,10 @@ def decode_case(case, configs, kv_dtype: str = "bf16") -> list[dict]:
                                                     **scale_kw)
     kv_bytes = 2 * batch * (context + 1) * kv_heads * head_dim * k_cache.element_size()
     rows = []
-    default = pa.decode_config(head_dim, fp8_cache)
+    try:
+        default = pa.decode_config(head_dim, fp8_cache)
+    except TypeError:  # a tree from before fp8 configs (A/B against main: PYTHONPATH at its checkout)
+        default = pa.decode_config(head_dim)
     for cfg, splits in [(default, None)] + [c for c in configs(batch, default) if c != (default, None)]:
         is_default = (cfg, splits) == (default, None)
         splits = splits or auto_splits
@@ -105,7 +108,9 @@ def decode_case(case, configs, kv_dtype: str = "bf16") -> list[dict]:
             return pa.paged_decode_attention_rope_triton(q, k, v, positions, inv_freq, *kv, slots, tables, seq_lens,
                                                          scale, num_splits=splits, config=cfg, **scale_kw)
         try:
-            err = (call().float() - want.float()).abs().max().item()
+            # relative to the output's size: random keys spread attention thin, so outputs are small
+            # and an absolute bound alone would pass a kernel that mixed up V's dims
+            err = (call().float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
             us = graph_time_us([functools.partial(call, kv) for kv in caches])
         except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
             print(f"{name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
@@ -113,7 +118,7 @@ def decode_case(case, configs, kv_dtype: str = "bf16") -> list[dict]:
         rows.append({"kernel": "decode_rope", "case": f"{name}-{kv_dtype}", "kv_dtype": kv_dtype,
                      "default": is_default, "splits": splits,
                      "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "us": round(us, 2),
-                     "kv_tb_s": round(kv_bytes / us / 1e6, 3), "max_abs_err": round(err, 4)})
+                     "kv_tb_s": round(kv_bytes / us / 1e6, 3), "max_rel_err": round(err, 4)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -147,6 +152,13 @@ def prefill_case(case, configs) -> list[dict]:
                      "us": round(us, 2), "tflop_s": round(flops / us / 1e6, 1), "max_abs_err": round(err, 4)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _close_enough(row: dict) -> bool:
+    """A row's kernel agreed with its torch reference: within 5% of the output's largest value (decode),
+    or 0.05 (prefill)."""
+    err = row.get("max_rel_err", row.get("max_abs_err"))
+    return math.isfinite(err) and err < 0.05
 
 
 def summarize(rows: list[dict]) -> None:
@@ -188,9 +200,15 @@ def main() -> int:
         def fp8_configs(batch, default):
             return [(DecodeConfig(block_n=n, num_warps=w, num_stages=s), None)
                     for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3))]
+        from spark.engine.kernels import paged_attention as pa
+
         for case in KV_DTYPE_CASES:
             rows += decode_case(case, lambda batch, default: [], "bf16")
             rows += decode_case(case, fp8_configs, "fp8")
+            if hasattr(pa, "FP8_V_EARLY"):  # A/B: V converted in the dot's operand layout (byte loads), as before
+                pa.FP8_V_EARLY = False
+                rows += [dict(r, case=r["case"] + "-v-late") for r in decode_case(case, lambda b, d: [], "fp8")]
+                pa.FP8_V_EARLY = True
         summarize(rows)
         fastest = {r["case"]: r["us"] for r in rows if r["default"]}
         for name, *_ in KV_DTYPE_CASES:
@@ -200,7 +218,7 @@ def main() -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"bench": "attention", "rows": rows}, f, indent=1)
-        return 0 if all(math.isfinite(r["max_abs_err"]) and r["max_abs_err"] < 0.05 for r in rows) else 1
+        return 0 if all(map(_close_enough, rows)) else 1
     for case in DECODE_CASES:
         rows += decode_case(case, decode_configs)
     for case in PREFILL_CASES:
@@ -209,7 +227,7 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bench": "attention", "rows": rows}, f, indent=1)
-    return 0 if all(math.isfinite(r["max_abs_err"]) and r["max_abs_err"] < 0.05 for r in rows) else 1
+    return 0 if all(map(_close_enough, rows)) else 1
 
 
 if __name__ == "__main__":

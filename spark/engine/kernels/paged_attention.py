@@ -37,6 +37,9 @@ _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
 EARLY_LOADS = True
+# Over an fp8 cache (GPU): V converted to fp16 where it is loaded, not in the dot's operand layout
+# (key_block.load_block says why). A module flag for A/B runs (attention_bench.py --kv-dtypes).
+FP8_V_EARLY = True
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -363,7 +366,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
-        SCALED=scaled,
+        SCALED=scaled, FP8_V_EARLY=FP8_V_EARLY,
         # Batch 1 only: there the projection before this kernel is the small-row linear,
         # whose PDL trigger lets this one start early. Behind cuBLAS (larger batches) the
         # loads are not early, and taking the first block out of the pipelined key loop
@@ -449,7 +452,8 @@ def _kernels():
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        SCALED: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+        SCALED: tl.constexpr, FP8_V_EARLY: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -468,7 +472,7 @@ def _kernels():
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
             k_first, v_first = _load_block(
                 start, tl.minimum(end, seq_len - 1), table, k_cache_ptr, v_cache_ptr, kv_head,
-                stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT)
+                stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY)
             # The positions too: the rotation's cos/sin, libdevice's range-reduced calls, also.
             cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
         if PDL:  # everything below reads what earlier kernels wrote
@@ -545,7 +549,7 @@ def _kernels():
         m_i, l_i, acc = _attend_keys(
             q_dot, m_i, l_i, acc, loop_start, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
             stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-            PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
+            PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY, PRECISION, NUM_STAGES)
 
         if ROPE:
             # One more online-softmax step for the new token, from registers; a no-op
