@@ -53,7 +53,9 @@ _TARGET_PROGRAMS = 264
 _MIN_KEYS_PER_SPLIT = _BLOCK_N
 _MAX_SPLITS = 32
 # Keys per step over an fp8 cache (decode_config); a module value for A/B runs
-# (benchmarks/kv_dtype_decode.py --fp8-block-n), read when the first fp8 launch asks.
+# (benchmarks/kv_dtype_decode.py --fp8-block-n), read when the first fp8 launch asks. Untimed yet:
+# at 8B shapes (sm_90, benchmarks/decode_sass.py) 128 keys are 804 instructions and 194 registers
+# (2 programs an SM), 64 keys 452 and 142 (3): fewer instructions a byte, fewer programs.
 FP8_BLOCK_N = 128
 
 
