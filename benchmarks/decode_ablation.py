@@ -145,7 +145,7 @@ if preset == "llama-3.1-8b":
 for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
                   (64, 4, 1), (32, 4, 1), (128, 4, 1), (64, 2, 1), (128, 8, 1)):
     variants[f"attn:{bn}w{w}s{st}"] = {
-        "patch": {(pa, "decode_config"): lambda head_dim, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
+        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
 
 
 def gate_in_w2(self, h, rope, k_cache, v_cache, meta):

@@ -68,6 +68,9 @@ for name in "$@"; do
             grep -c "slow turn" "$OUT/$name.log"; grep "Triton compiles" "$OUT/$name.log" | cut -c1-300 ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
+        # issue 22's decode attention alone (8B, 32 x 4k and 1 x 32k): bf16 vs fp8 cache, and fp8 configs swept
+        kv-attn) step "$name" 240 python attention_bench.py --kv-dtypes --out "$OUT/kv-attn.json" ;;
+        kv-dtype-bn64) step "$name" 300 python kv_dtype_decode.py --fp8-block-n 64 --out "$OUT/kv-dtype-bn64.json" ;;
         moe) step "$name" 420 python moe_decode.py --out "$OUT/moe.json" ;;
         moe-short) step "$name" 300 python moe_decode.py --out "$OUT/moe.json" ;;
         # batch 1: the one-row MoE block against the generic path (both with q/k norms in the decode launch)

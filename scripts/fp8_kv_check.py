@@ -65,6 +65,7 @@ def run(args, kv_dtype: str, prompts: list[list[int]] | None, reference: list[li
     """(prompts, greedy tokens per prompt, forced logits [B, steps, V], seconds) of one KV dtype."""
     engine = Engine.load(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                          weight_format=args.weight_format, kv_dtype=kv_dtype, progress=False,
+                         kv_calibration=not args.no_calibration,
                          kv_cache_tokens=args.prompts * 512 + args.prompts * args.tokens)
     prompts = prompts or prompts_for(engine, args.prompts)
     t0 = time.perf_counter()
@@ -86,6 +87,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16, help="generated positions whose logits are compared")
+    ap.add_argument("--no-calibration", action="store_true", help="fp8 scales 1.0 (as before kv_calibration.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -112,7 +114,7 @@ def main() -> int:
     }
     doc = {"bench": "fp8_kv_check", "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": " ".join(["python"] + sys.argv), "model": args.model, "device": args.device,
-           "dtype": args.dtype, "weight_format": args.weight_format, "kv_scales": "1.0 per layer and head",
+           "dtype": args.dtype, "weight_format": args.weight_format, "kv_scales": "calibrated at load (kv_calibration.py)" if not args.no_calibration else "1.0",
            "summary": summary, "per_prompt": per_prompt}
     out = args.out or f"benchmarks/results/fp8-kv-{args.device}-{doc['date']}.json"
     with open(out, "w") as f:

@@ -3,9 +3,9 @@
 ``kv_dtype`` "auto" keeps K/V in the model's dtype; "fp8" in float8 e4m3 with one fp32
 scale per layer and KV head for K and for V (``kernels/fp8.py``): half the bytes of bf16,
 so twice the tokens in a budget, and half the bytes each decode step reads. The scales
-start at 1.0, as vLLM's are without calibration: K and V of the models served here stay
-well inside e4m3's range (±448), whose relative precision is the same at any magnitude
-above 2**-6.
+start at 1.0; ``kv_calibration.py`` sets them at load time (powers of two that keep each
+head's values inside e4m3's range, ±448, with room to spare: its relative precision is the
+same at any magnitude above 2**-6, so a scale buys range, not precision).
 """
 
 from __future__ import annotations

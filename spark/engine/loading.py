@@ -41,6 +41,7 @@ def load_engine(
     progress: bool = True,
     tp: TensorParallel = SINGLE,
     kv_dtype: str = "auto",
+    kv_calibration: bool = True,
 ) -> "Engine":
     """Load ``model`` ("default", a .gguf path, an HF directory or "dummy[:preset]") and build an engine.
 
@@ -59,6 +60,7 @@ def load_engine(
           slice of the model, on ``tp.device``; ``spark.engine.ranks`` starts and drives the ranks.
         kv_dtype: the KV cache's: "auto" (``dtype``) or "fp8" (e4m3 with per-head scales: twice the
           tokens in the same bytes).
+        kv_calibration: an fp8 cache's scales from one short prefill (``kv_calibration.py``), else 1.0.
 
     Raises:
         ModelLoadError: the model cannot be read; its message names the file and the problem.
@@ -92,6 +94,14 @@ def load_engine(
              runtime.weight_format, time.perf_counter() - t0)
     engine = cls(net, tokenizer=tokenizer, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                  kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype)
+    if kv_dtype == "fp8" and kv_calibration:
+        from spark.engine import kv_calibration as calibration
+
+        t0 = time.perf_counter()
+        scales = calibration.calibrate(engine)
+        log.info("fp8 KV scales from a %d-token prefill in %.1fs: K %s, V %s", len(calibration.calibration_tokens(engine)),
+                 time.perf_counter() - t0, sorted(set(scales[:, 0].flatten().tolist())),
+                 sorted(set(scales[:, 1].flatten().tolist())))
     if adapt_cpu_threads and runtime.device.type == "cpu":
         engine.threads = IdleCoreThreads()
     return engine

@@ -20,7 +20,7 @@ _load_block = _attend_block = None  # the two halves of a step, bound by `attend
 def attend_keys():
     """JIT and return ``attend_keys(q, m_i, l_i, acc, start, end, last_key, table, k_cache_ptr,
     v_cache_ptr, kv_head, strides..., dims, dim_ok, qk_scale_log2, PAGE_SIZE, BLOCK_N,
-    HALF_DOT, PRECISION, NUM_STAGES) -> (m_i, l_i, acc)``."""
+    HALF_DOT, FP8_V_EARLY, PRECISION, NUM_STAGES) -> (m_i, l_i, acc)``."""
     global triton, tl, _attend_step, _load_block, _attend_block
     import triton
     import triton.language as tl
@@ -29,11 +29,20 @@ def attend_keys():
     def load_block(
         n0, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head,
         stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, FP8_V_EARLY: tl.constexpr,
     ):
         """K and V `[BLOCK_N, BLOCK_D]` of keys [n0, n0 + BLOCK_N) below `kv_end`, gathered
         through the block-table row `table`; keys past `kv_end` load as zeros. An fp8 cache's
-        values come as stored (unscaled): the caller folds its scales into the scores and output."""
+        values come as stored (unscaled): the caller folds its scales into the scores and output.
+
+        FP8_V_EARLY (GPU, fp8 cache): convert V to fp16 in the layout it is loaded in. Triton would
+        otherwise move an elementwise cast into the dot's operand layout, to keep the shared-memory
+        copy narrow; but an mma.sync (the decode kernel's 16-row dots) reads V transposed, which
+        ldmatrix cannot do for 8-bit values, so V came in byte by byte (64 LDS.U8 a step per thread,
+        sm_90 SASS: benchmarks/decode_sass.py). Early, V takes 16-byte loads, is stored back as fp16
+        and read by ldmatrix.trans: a 64-key step fell from 803 to 452 instructions (bf16's: 478) and
+        184 to 142 registers. The prefill kernel's wgmma reads V from shared memory either way, and is
+        better off late (654 instructions against 776)."""
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         # Gather token by token: any page size, any page order. Masked keys read
@@ -47,9 +56,20 @@ def attend_keys():
         if not HALF_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        elif k.dtype == tl.float8e4nv:  # an fp8 cache: its values are exact in bf16, q's dtype for the dots
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
+        elif k.dtype == tl.float8e4nv:
+            # An fp8 cache's values are exact in fp16, the kernels' dot dtype for them: e4m3 -> fp16 is
+            # one packed cvt per two values, e4m3 -> bf16 three (through fp16), and on an H100 those
+            # conversions, not the bytes, bounded the decode kernel (0.93x the bf16 cache's rate).
+            k = k.to(tl.float16)
+            if FP8_V_EARLY:
+                # Triton's own e4m3 -> fp16 conversion, as asm that is not pure (what pins it here), four
+                # values a call: one 32-bit register in, two out (packed two a call, each input half
+                # took a PRMT to extract: 64 a step)
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                    "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
+            else:
+                v = v.to(tl.float16)
         return k, v
 
     @triton.jit
@@ -75,19 +95,20 @@ def attend_keys():
     def attend_step(
         q, m_i, l_i, acc, n0, kv_end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
         stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, FP8_V_EARLY: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """`load_block` then `attend_block`."""
-        k, v = _load_block(n0, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head,
-                           stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT)
+        k, v = _load_block(n0, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, stride_cp, stride_co, stride_ch,
+                           stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY)
         return _attend_block(q, m_i, l_i, acc, k, v, n0, kv_end, last_key, qk_scale_log2, BLOCK_N, PRECISION)
 
     @triton.jit
     def attend_keys(
         q, m_i, l_i, acc, start, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
         stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_DOT: tl.constexpr, FP8_V_EARLY: tl.constexpr,
+        PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         """Online softmax over keys [start, end), BLOCK_N at a time; row r sees keys <= `last_key[r]`.
 
@@ -101,14 +122,14 @@ def attend_keys():
                 m_i, l_i, acc = _attend_step(
                     q, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY, PRECISION)
         else:
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _attend_step(
                     q, m_i, l_i, acc, n0, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-                    PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION)
+                    PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY, PRECISION)
                 n0 += BLOCK_N
         return m_i, l_i, acc
 

@@ -38,6 +38,9 @@ _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotat
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
 EARLY_LOADS = True
+# Over an fp8 cache (GPU): V converted to fp16 where it is loaded, not in the dot's operand layout
+# (key_block.load_block says why). A module flag for A/B runs (attention_bench.py --kv-dtypes).
+FP8_V_EARLY = True
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -50,6 +53,11 @@ _BLOCK_N = 64
 _TARGET_PROGRAMS = 264
 _MIN_KEYS_PER_SPLIT = _BLOCK_N
 _MAX_SPLITS = 32
+# Keys per step over an fp8 cache (decode_config); a module value for A/B runs
+# (benchmarks/kv_dtype_decode.py --fp8-block-n), read when the first fp8 launch asks. Untimed yet:
+# at 8B shapes (sm_90, benchmarks/decode_sass.py) 128 keys are 804 instructions and 194 registers
+# (2 programs an SM), 64 keys 452 and 142 (3): fewer instructions a byte, fewer programs.
+FP8_BLOCK_N = 128
 
 
 @attrs.frozen
@@ -72,10 +80,14 @@ class DecodeConfig:
 
 
 @functools.cache  # asked at every launch; a frozen value, shared
-def decode_config(head_dim: int) -> DecodeConfig:
+def decode_config(head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
     """The fastest config of `benchmarks/attention_bench.py` on an H200 (bf16, page size
-    16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2."""
-    return DecodeConfig(num_warps=4 if head_dim >= 128 else 2)
+    16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2.
+
+    An fp8 cache's keys are half the bytes: `FP8_BLOCK_N` keys a step move the bytes of the
+    bf16 config's 64, so that each step's fixed costs (the page ids, the softmax's reductions,
+    the loop-carried wait) are paid per as many bytes, and as many bytes are in flight."""
+    return DecodeConfig(block_n=FP8_BLOCK_N if fp8_cache else _BLOCK_N, num_warps=4 if head_dim >= 128 else 2)
 
 
 def paged_attention_reference(
@@ -335,13 +347,13 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     if batch == 0:
         return out
     decode_kernel, reduce_kernel = _kernels()
-    cfg = config or decode_config(head_dim)
+    cfg = config or decode_config(head_dim, k_cache.dtype == fp8.FP8)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
     # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p
-    # is rounded to it for PV, as in flash-attention), fp8 caches in bf16 (their values are
-    # exact in it). fp32 caches and the interpreter, which mishandles dot and arithmetic on
-    # bf16, use fp32 tiles with exact products.
+    # is rounded to it for PV, as in flash-attention), fp8 caches in fp16 (their values are
+    # exact in it, and it is one conversion away; a bf16 q is too). fp32 caches and the
+    # interpreter, which mishandles dot and arithmetic on bf16, use fp32 tiles with exact products.
     interpreted = launch.interpreting(decode_kernel)
     half_dot = half_dots(k_cache.dtype, q.dtype) and not interpreted
     scaled = k_scale is not None
@@ -364,7 +376,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
-        SCALED=scaled, QK_NORM=qk_norm is not None,
+        SCALED=scaled, FP8_V_EARLY=FP8_V_EARLY, QK_NORM=qk_norm is not None,
         # Batch 1 only: there the projection before this kernel is the small-row linear,
         # whose PDL trigger lets this one start early. Behind cuBLAS (larger batches) the
         # loads are not early, and taking the first block out of the pipelined key loop
@@ -388,7 +400,7 @@ def _no_partials(device: torch.device) -> torch.Tensor:
 
 def half_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
     """Whether a GPU kernel's dots take half-precision tiles: a bf16/fp16 cache, or an fp8 one
-    (as bf16) under half-precision queries."""
+    (as fp16) under half-precision queries."""
     return cache_dtype in (torch.bfloat16, torch.float16) or (
         cache_dtype == fp8.FP8 and q_dtype in (torch.bfloat16, torch.float16))
 
@@ -473,8 +485,8 @@ def _kernels():
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        SCALED: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-        QK_NORM: tl.constexpr,
+        SCALED: tl.constexpr, FP8_V_EARLY: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr, QK_NORM: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -493,7 +505,7 @@ def _kernels():
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
             k_first, v_first = _load_block(
                 start, tl.minimum(end, seq_len - 1), table, k_cache_ptr, v_cache_ptr, kv_head,
-                stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT)
+                stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY)
             # The positions too: the rotation's cos/sin, libdevice's range-reduced calls, also.
             cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
         if PDL:  # everything below reads what earlier kernels wrote
@@ -560,7 +572,9 @@ def _kernels():
         q_dot = q
         if HALF_DOT:
             if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
-                q_dot = q.to(tl.bfloat16)  # the dtype key_block hands fp8 keys in
+                # fp16, the dtype key_block hands fp8 keys in: exact for a bf16 q inside fp16's range,
+                # clamped to it (a q past 65504 would score inf, then NaN)
+                q_dot = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
             else:
                 q_dot = q.to(k_cache_ptr.dtype.element_ty)
         last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1  # every row sees the whole partition
@@ -572,7 +586,7 @@ def _kernels():
         m_i, l_i, acc = _attend_keys(
             q_dot, m_i, l_i, acc, loop_start, end, last_key, table, k_cache_ptr, v_cache_ptr, kv_head,
             stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-            PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
+            PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY, PRECISION, NUM_STAGES)
 
         if ROPE:
             # One more online-softmax step for the new token, from registers; a no-op

@@ -186,7 +186,8 @@ def _kernel():
         )
         if HALF_DOT:
             if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
-                q = q.to(tl.bfloat16)  # the dtype key_block hands fp8 keys in
+                # fp16, the dtype key_block hands fp8 keys in (exact for a bf16 q in its range)
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
             else:
                 q = q.to(k_cache_ptr.dtype.element_ty)
         else:
@@ -205,7 +206,7 @@ def _kernel():
         m_i, l_i, acc = _attend_keys(
             q, m_i, l_i, acc, 0, kv_end, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
             stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, qk_scale_log2,
-            PAGE_SIZE, BLOCK_N, HALF_DOT, PRECISION, NUM_STAGES)
+            PAGE_SIZE, BLOCK_N, HALF_DOT, False, PRECISION, NUM_STAGES)  # V late: wgmma reads it from shared memory
 
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context (seq_len 0): zeros
         if SCALED:

@@ -383,3 +383,13 @@ def test_decode_rope_triton_with_qk_norm_is_norms_then_the_kernel(dtype, num_spl
     same = (k_fused == k_unfused) | (k_fused.isnan() & k_unfused.isnan())
     assert same.float().mean() > 0.99 and torch.equal(v_fused.nan_to_num(), v_unfused.nan_to_num())
     torch.testing.assert_close(k_fused, k_unfused, rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_decode_config_of_an_fp8_cache_steps_over_as_many_bytes():
+    """fp8 keys are half of bf16's bytes: twice the keys a step, the rest as the bf16 config."""
+    from spark.engine.kernels import paged_attention
+
+    for head_dim in (64, 128):
+        fp8, bf16 = decode_config(head_dim, True), decode_config(head_dim)
+        assert fp8.block_n == paged_attention.FP8_BLOCK_N == 2 * bf16.block_n
+        assert (fp8.num_warps, fp8.num_stages) == (bf16.num_warps, bf16.num_stages)
