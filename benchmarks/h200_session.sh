@@ -3,7 +3,13 @@
 #
 #   bash benchmarks/h200_session.sh serving-cold spec-verify spec-check      (device tool, carry .whl)
 #
-# Spark's own dependencies travel as wheels in .whl/ (the machine has torch, triton, transformers, httpx);
+# Spark's own dependencies travel as wheels in .whl/ (the machine has torch, triton, transformers, httpx;
+# fill it with `pip download --no-deps --only-binary :all: --python-version 3.12 --platform
+# manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl PKG` for Spark's dependencies, and for
+# xgrammar's: apache-tvm-ffi, pydantic, pydantic-core, annotated-types, typing-inspection). The
+# grammar steps want the default model's tokenizer, whose wheel is over the carry limit: export it
+# beside the tree first (smol_tok/: `Tokenizer.from_gguf(default_model_path()).backend.save(
+# "smol_tok/tokenizer.json")` and a tokenizer_config.json naming eos_token "<|im_end|>");
 # each step writes its JSON and its log under $OUT and prints the log's last lines, so one step that
 # fails or runs out of time leaves the others' results.
 set -u
@@ -91,6 +97,7 @@ for name in "$@"; do
         # issue 21: constrained vs free decode (dummy 8B, 64 rows of forced calls and JSON), with a third
         # kind of run, the grammars as xgrammar writes them (bounded repeats unchained), alternated in one process
         grammar-chains) step "$name" 300 python ../scripts/gpu_grammar_check.py --repeats 3 --compare-chains \
+            $([ -d ../smol_tok ] && echo --tokenizer ../smol_tok) \
             --out "$OUT/grammar-chains.json" ;;
         *) echo "unknown step $name" ;;
     esac
