@@ -48,8 +48,8 @@ CPU_KV_CACHE_TOKENS = 32768
 # be evicted (what live sequences need still comes), so that a server's resident memory stops growing
 # with every distinct text it serves (SmolLM2-135M: 23 KB a token in bf16, 755 MB for the whole pool).
 # The pool stays at the most pages live sequences held at once, or this, whichever is more: 512 tokens
-# (12 MB for SmolLM2) keeps a chat's prefix, where 2048 (47 MB) had grown a server serving 8 streams of
-# 200 tokens (37 MB live) by 10 MB more than they needed, about a tenth of its margin under 4x the GGUF.
+# (12 MB for SmolLM2) keeps a chat's prefix, where 2048 (47 MB) grew a server serving 8 streams of 200
+# tokens (their prompt's pages shared: 26 MB live) to ~44 MB of KV (issue 19: 4x the GGUF is 393 MB).
 # A KV cache sized by the caller (kv_cache_tokens, kv_cache_bytes) may all be used.
 CPU_KV_WARM_TOKENS = 512
 _MAX_ENDED = 65536  # ended ids remembered, so that a plan made before the end is known skips them
