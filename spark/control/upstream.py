@@ -14,12 +14,17 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import attrs
-import httpx
 
 from spark.control.activity import Tally
 from spark.recipes.schema import Recipe
+
+# httpx is imported where an upstream is used: a server without upstream recipes (a local model's)
+# would hold its 115 modules, ~5 MB resident, for nothing.
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("spark.control")
 
@@ -52,6 +57,7 @@ class Upstreams:
         self._clients: dict[str, httpx.AsyncClient] = {}
 
     def client(self, recipe: Recipe) -> httpx.AsyncClient:
+        import httpx
         client = self._clients.get(recipe.id)
         if client is None:
             up = recipe.upstream
@@ -75,6 +81,7 @@ class Upstreams:
         Raises:
             UpstreamError: it does not answer 200.
         """
+        import httpx
         try:
             r = await self.client(recipe).get("/models", timeout=PREFLIGHT_TIMEOUT_S)
         except httpx.HTTPError as exc:
@@ -88,6 +95,7 @@ class Upstreams:
         Raises:
             UpstreamError: the upstream cannot be reached.
         """
+        import httpx
         body = {**recipe.sampling.defaults(), **body, "model": recipe.model}
         stream = bool(body.get("stream"))
         drop_usage = False
@@ -120,6 +128,7 @@ class Upstreams:
 
 def upstream_port(recipe: Recipe) -> int:
     """The port the upstream of ``recipe`` listens on (``X-Spark-Upstream-Port``)."""
+    import httpx
     url = httpx.URL(recipe.upstream.base_url)
     return url.port or (443 if url.scheme == "https" else 80)
 
@@ -127,6 +136,7 @@ def upstream_port(recipe: Recipe) -> int:
 def _upstream_path(recipe: Recipe, path: str) -> str:
     """Where ``path`` of Spark's is on the upstream: ``/v1/x`` under its base URL (which ends in /v1),
     any other path (``/tokenize``) at the root of its host, as vLLM and llama.cpp serve them."""
+    import httpx
     if path.startswith("/v1/"):
         return path.removeprefix("/v1")
     return str(httpx.URL(recipe.upstream.base_url).copy_with(path=path, query=None))
@@ -159,6 +169,7 @@ def _take_usage(obj: dict, tally: Tally) -> None:
 
 async def _relay_events(response: httpx.Response, tally: Tally, served_name: str,
                         drop_usage: bool) -> AsyncIterator[bytes]:
+    import httpx
     buffer = b""
     try:
         async for chunk in response.aiter_bytes():

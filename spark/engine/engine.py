@@ -47,8 +47,11 @@ CPU_KV_CACHE_TOKENS = 32768
 # before it reuses its own: past it, a new page is a never-written one only when no cached page can
 # be evicted (what live sequences need still comes), so that a server's resident memory stops growing
 # with every distinct text it serves (SmolLM2-135M: 23 KB a token in bf16, 755 MB for the whole pool).
+# The pool stays at the most pages live sequences held at once, or this, whichever is more: 512 tokens
+# (12 MB for SmolLM2) keeps a chat's prefix, where 2048 (47 MB) grew a server serving 8 streams of 200
+# tokens (their prompt's pages shared: 26 MB live) to ~44 MB of KV (issue 19: 4x the GGUF is 393 MB).
 # A KV cache sized by the caller (kv_cache_tokens, kv_cache_bytes) may all be used.
-CPU_KV_WARM_TOKENS = 2048
+CPU_KV_WARM_TOKENS = 512
 _MAX_ENDED = 65536  # ended ids remembered, so that a plan made before the end is known skips them
 GPU_MEMORY_FRACTION = 0.90  # of the memory free after loading, for the KV cache
 

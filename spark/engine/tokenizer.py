@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
@@ -375,16 +374,12 @@ class Tokenizer:
 
 # --- GGUF metadata
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
 def read_gguf_metadata(path: str | os.PathLike, prefixes: tuple[str, ...] = ("tokenizer.", "general.")
                        ) -> dict[str, Any]:
     """Read the key/value metadata of a GGUF file, without touching its tensors.
 
     `gguf.GGUFReader` also indexes every tensor and wraps each string of the vocabulary
-    in numpy views, which takes seconds; this walks the header once.
+    in numpy views, which takes seconds; this walks the header once (`gguf_header`).
 
     Args:
       path: the GGUF file.
@@ -396,54 +391,16 @@ def read_gguf_metadata(path: str | os.PathLike, prefixes: tuple[str, ...] = ("to
     Raises:
       ModelLoadError: not a GGUF file, or its metadata is truncated.
     """
+    from spark.engine.weights.gguf_header import read_metadata
+
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != b"GGUF":
-                raise ModelLoadError(path, "not a GGUF file (bad magic)")
-            version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-            if version < 2:
-                raise ModelLoadError(path, f"GGUF version {version} is too old")
-            pos, meta = 24, {}
-            for _ in range(n_kv):
-                key, pos = _read_string(buf, pos)
-                (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-                value, pos = _read_value(buf, pos, vtype)
-                if key.startswith(prefixes):
-                    meta[key] = value
-            return meta
+            meta, _, _, _ = read_metadata(buf)
+            return {k: v for k, v in meta.items() if k.startswith(prefixes)}
     except (struct.error, ValueError, IndexError, UnicodeDecodeError) as e:
         raise ModelLoadError(path, f"GGUF metadata is truncated or corrupt ({e})") from e
     except OSError as e:
         raise ModelLoadError(path, f"cannot read: {e.strerror or e}") from e
-
-
-def _read_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    end = pos + 8 + n
-    if end > len(buf):
-        raise ValueError("string runs past the end of the file")
-    return buf[pos + 8:end].decode("utf-8", errors="replace"), end
-
-
-def _read_value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
-    if vtype in _SCALARS:
-        fmt = _SCALARS[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if vtype == _STRING:
-        return _read_string(buf, pos)
-    if vtype != _ARRAY:
-        raise ValueError(f"unknown GGUF value type {vtype}")
-    etype, n = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if etype in _SCALARS:  # numeric arrays in one read
-        dtype = np.dtype(_SCALARS[etype])
-        values = np.frombuffer(buf, dtype=dtype, count=n, offset=pos).tolist()
-        return values, pos + n * dtype.itemsize
-    values = []
-    for _ in range(n):
-        value, pos = _read_value(buf, pos, etype)
-        values.append(value)
-    return values, pos
 
 
 # --- helpers

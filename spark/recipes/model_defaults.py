@@ -71,15 +71,10 @@ def _sampling(found: dict) -> Sampling:
 
 
 def _gguf_sampling(path: pathlib.Path) -> dict:
-    import gguf
+    from spark.engine.weights.gguf_header import read_header
 
-    reader = gguf.GGUFReader(path)
-    out = {}
-    for name, key in GGUF_KEYS.items():
-        field = reader.fields.get(key)
-        if field is not None and field.data:
-            out[name] = field.parts[field.data[0]][0].item()
-    return out
+    meta = read_header(path).metadata  # the tokenizer's arrays skipped: 130 MB of objects with gguf's reader
+    return {name: meta[key] for name, key in GGUF_KEYS.items() if key in meta}
 
 
 def _hf_sampling(path: pathlib.Path) -> dict:

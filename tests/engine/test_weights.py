@@ -458,3 +458,26 @@ def test_gguf_tensors_dequantized_in_row_blocks_equal_whole_ones(tmp_path, monke
     assert set(got) == set(want)
     for name, w in want.items():
         assert got[name].dtype == dtype and torch.equal(got[name], w), name
+
+
+def test_the_gguf_header_is_what_ggufs_reader_reads_less_the_tokenizers_arrays():
+    """``gguf_header.read_header`` against ``gguf.GGUFReader`` on the default model: every tensor's name,
+    type, shape and bytes; every metadata value, but the tokenizer's arrays only as their lengths (the
+    reader makes ~500k objects of them, which left ~16 MB resident in a server: issue 19)."""
+    from spark.engine.weights import default_model_path
+    from spark.engine.weights.gguf_header import read_header
+
+    path = default_model_path()
+    reader, header = gguf.GGUFReader(path), read_header(path)
+    assert [(t.name, t.tensor_type, tuple(t.shape.tolist())) for t in reader.tensors] == \
+        [(t.name, t.tensor_type, t.shape) for t in header.tensors]
+    for a, b in zip(reader.tensors, header.tensors):
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the reader's own entries for the file's counts
+            continue
+        if key.startswith("tokenizer.") and field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert key not in header.metadata and header.array_lengths[key] == len(field.data), key
+        else:
+            assert header.metadata[key] == field.contents(), key
+    assert header.array_lengths["tokenizer.ggml.tokens"] == 49152

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format): config from metadata, weights dequantized to HF names and layout.
 
-The reader is memory-mapped, so a tensor is read from disk only when it is
+The file is memory-mapped (``gguf_header``), so a tensor is read from disk only when it is
 dequantized, and only one dequantized tensor exists at a time.
 """
 
@@ -20,6 +20,7 @@ import torch
 from spark.engine.config import ModelConfig, RopeScaling
 from spark.engine.errors import ModelLoadError
 from spark.engine.models import ARCHITECTURES, GGUF_ARCHS
+from spark.engine.weights.gguf_header import GGUFHeader, read_header
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,7 +68,7 @@ def hf_name(gguf_name: str, moe_names: tuple[str, ...] = ()) -> str:
     return gguf_name
 
 
-def _arch_of(path, reader: gguf.GGUFReader):
+def _arch_of(path, reader: GGUFHeader):
     """The ``Architecture`` of a file: its ``general.architecture``, or Mixtral for a "llama" with experts."""
     gguf_arch = _meta(reader, path, "general.architecture")
     if gguf_arch not in GGUF_ARCHS:
@@ -77,12 +78,10 @@ def _arch_of(path, reader: gguf.GGUFReader):
     return GGUF_ARCHS[gguf_arch]
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """A memory-mapped reader for ``path``, shared between calls while the file is unchanged.
-
-    Parsing the header of a model with a 50k-token vocabulary takes seconds
-    (every string becomes a numpy view), so the config reader, the weight
-    loader and the tokenizer should not each pay for it.
+def open_gguf(path: str | os.PathLike) -> GGUFHeader:
+    """The header of ``path`` and a map of its tensors, shared between calls while the file is unchanged
+    (the config reader and the weight loader read it once). The tokenizer's arrays are left out:
+    the tokenizer reads them itself (``Tokenizer.from_gguf``).
 
     Raises:
       ModelLoadError: missing file, bad magic, truncated or corrupt header.
@@ -96,30 +95,29 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
 
 
 def forget_readers() -> None:
-    """Drop the shared readers: a loaded model needs its file no more, and a reader holds the pages
-    it touched and its parsed header (for SmolLM2-135M, 93 MB of the file and 130 MB of header)."""
+    """Drop the shared headers: a loaded model needs its file no more, and a header's map holds
+    the pages of the file it touched (for SmolLM2-135M, 93 MB)."""
     _open_cached.cache_clear()
 
 
 @functools.lru_cache(maxsize=2)
-def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFHeader:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails in many ways on a damaged file
+        return read_header(path)
+    except Exception as e:  # a damaged file fails in many ways
         raise ModelLoadError(path, f"truncated or corrupt GGUF file ({type(e).__name__}: {e})") from e
 
 
-def _meta(reader: gguf.GGUFReader, path, key: str, default: Any = ...) -> Any:
-    field = reader.get_field(key)
-    if field is None:
+def _meta(reader: GGUFHeader, path, key: str, default: Any = ...) -> Any:
+    if key not in reader.metadata:
         if default is ...:
             raise ModelLoadError(path, f"GGUF metadata lacks {key}")
         return default
-    value = field.contents()
+    value = reader.metadata[key]
     if isinstance(value, list):  # per-layer values (head counts); Spark needs them uniform
         if not value or any(v != value[0] for v in value):
             raise ModelLoadError(path, f"{key} varies per layer ({value[:4]}...), which Spark does not support")
@@ -155,10 +153,10 @@ def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
     vocab = meta("vocab_size", None)
     if vocab is None:
         embd = tensors.get("token_embd.weight")
-        tokens = reader.get_field("tokenizer.ggml.tokens")
+        tokens = reader.array_lengths.get("tokenizer.ggml.tokens")
         if embd is None and tokens is None:
             raise ModelLoadError(path, "GGUF has neither a vocab size, token_embd.weight nor a token list")
-        vocab = int(embd.shape[1]) if embd is not None else len(tokens.data)
+        vocab = int(embd.shape[1]) if embd is not None else tokens
     rope_theta = _f32(meta("rope.freq_base", 10000.0))
 
     scaling_type = meta("rope.scaling.type", "none")
@@ -254,14 +252,13 @@ def rope_scaling_from_factors(path, factors: np.ndarray, rope_theta: float, head
     raise ModelLoadError(path, f"{ROPE_FREQS} does not follow Llama-3 rope scaling; Spark cannot use it")
 
 
-def check_types(path, reader: gguf.GGUFReader) -> None:
+def check_types(path, reader: GGUFHeader) -> None:
     """Fail early, before any weight is loaded, on a tensor type ``gguf.quants`` cannot dequantize."""
     probed = set()
     for t in reader.tensors:
         if t.tensor_type in probed:
             continue
-        data = t.data.view(np.ndarray)
-        probe = data if data.ndim < 2 else data[:1]  # one row is enough to know
+        probe = t.data if t.data.ndim < 2 else t.data[:1]  # one row is enough to know
         try:
             gguf.quants.dequantize(probe, t.tensor_type)
         except NotImplementedError as e:
@@ -278,7 +275,7 @@ def gguf_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        name, shape = hf_name(t.name, moe_names), tuple(int(d) for d in reversed(t.shape.tolist()))
+        name, shape = hf_name(t.name, moe_names), tuple(reversed(t.shape))
         if "{e}" in name:  # [E, rows, cols]: one [rows, cols] tensor per expert
             shapes.update((name.format(e=e), shape[1:]) for e in range(shape[0]))
         else:
@@ -314,16 +311,15 @@ def iter_gguf_tensors(
     same as dequantizing it whole and then casting to ``dtype``.
     """
     reader = open_gguf(path)
-    permuted = reader.get_field("general.architecture").contents() == "llama"
+    permuted = reader.get("general.architecture") == "llama"
     moe_names = _arch_of(path, reader).moe_names
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
         name = hf_name(t.name, moe_names)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        # [rows, row bytes or elements]: the reader's array has every dimension but the last as rows.
-        # A plain-ndarray view of the map: numpy's memmap subclass costs ~1 s per 100M params in slicing.
-        raw = t.data.view(np.ndarray).reshape(-1, t.data.shape[-1])
+        shape = tuple(reversed(t.shape))
+        # [rows, row bytes or elements]: the header's array has every dimension but the last as rows.
+        raw = t.data.reshape(-1, t.data.shape[-1])
         order = None  # llama.cpp's q/k row order, undone as the rows are written
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             order = _unpermuted_rows(shape[0], config.num_heads)
