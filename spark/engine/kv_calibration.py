@@ -20,6 +20,7 @@ import torch
 
 from spark.engine.kernels import fp8
 from spark.engine.kv_cache import KVCache
+from spark.engine.teacher_forcing import prefill_logits
 
 HEADROOM = 16.0  # how far past the calibration's absmax a value may go before it clamps (at least)
 # Prose, code, numbers and a list, so that the heads that attend to each see their kind of token.
@@ -54,8 +55,6 @@ def scales_for(absmax: torch.Tensor, headroom: float = HEADROOM) -> torch.Tensor
 def kv_absmax(engine, token_ids: list[int]) -> torch.Tensor:
     """``[layers, 2 (K, V), Hkv]`` fp32: each head's largest |K| (after RoPE, as cached) and |V| over one
     prefill of ``token_ids``, through ``engine.model`` with a cache in the model's dtype swapped in for it."""
-    from spark.engine.offline import prefill_logits
-
     pages = 1 - (-len(token_ids) // engine.page_size)  # and the allocator's scratch page
     cache = KVCache(engine.config.shard(engine.tp.world_size), pages, engine.page_size, engine.dtype, engine.device)
     kept = engine.kv_cache
