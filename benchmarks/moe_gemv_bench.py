@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from gpu_timing import graph_time_us  # noqa: E402  (a sibling: benchmarks/ is the script's directory)
 from offline_decode import copy_bandwidth, git_commit, write_results  # noqa: E402
 
-from spark.engine.kernels import fused_moe  # noqa: E402
+from spark.engine.kernels import fused_moe, small_linear  # noqa: E402
 from spark.engine.weights.dummy import PRESETS  # noqa: E402
 
 CALLS = 24  # routings per graph: 24 x 8 experts of Qwen3-MoE's 128 read ~1.8 GB, far past L2
@@ -62,7 +62,7 @@ def sweep_configs(hidden: int, inter: int):
     """(kernel, config) pairs: each kernel's tiles varied, the other kernel at its default; at most
     128 weight elements a thread per step (more spills)."""
     default = fused_moe.gemv_config(hidden, inter)
-    np2 = fused_moe.triton_next_power_of_2
+    np2 = small_linear.triton_next_power_of_2
     for n, kk, w in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (2, 4, 8)):
         if kk <= np2(hidden) and 2 * n * kk <= 128 * 32 * w:
             yield "gate_up", {**default, "gate_up": dict(BLOCK_N=n, BLOCK_K=kk, num_warps=w)}

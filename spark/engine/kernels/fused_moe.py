@@ -154,14 +154,9 @@ def gemv_config(hidden: int, inter: int) -> dict:
     Qwen3-MoE token, 1024 of 224 KB for one Mixtral token. No split of K for the down
     projection: its programs already outnumber an H100's SMs fourfold at one token.
     """
-    np2 = triton_next_power_of_2
+    np2 = small_linear.triton_next_power_of_2
     return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=2),
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
-
-
-def triton_next_power_of_2(n: int) -> int:
-    """``triton.next_power_of_2`` without importing triton."""
-    return 1 << (n - 1).bit_length()
 
 
 def block_m(num_slots: int) -> int:
@@ -274,7 +269,7 @@ ROUTER_CONFIG = dict(block_n=2, block_k=2048, num_warps=2, defer_reduce=False, e
 
 def router_config(num_experts: int, hidden: int):
     """``ROUTER_CONFIG`` as a ``small_linear.Config`` for a [num_experts, hidden] router."""
-    cfg = dict(ROUTER_CONFIG, block_k=min(ROUTER_CONFIG["block_k"], triton_next_power_of_2(hidden)))
+    cfg = dict(ROUTER_CONFIG, block_k=min(ROUTER_CONFIG["block_k"], small_linear.triton_next_power_of_2(hidden)))
     return small_linear.Config(**cfg)
 
 
