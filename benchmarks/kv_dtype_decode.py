@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from offline_decode import BANDWIDTH, decode_once, git_commit  # run as a script: benchmarks/ is on sys.path
+from offline_decode import BANDWIDTH, decode_once, git_commit, write_results  # run as a script: benchmarks/ is on sys.path
 
 CASES = [(32, 4096), (1, 32768)]  # (batch, context)
 QUICK_CPU_CASES = [(4, 192), (1, 512)]
@@ -100,9 +100,7 @@ def main() -> int:
            "commit": git_commit(), "command": " ".join(["python"] + sys.argv), "model": args.model,
            "fp8_block_n": paged_attention.FP8_BLOCK_N,
            "bandwidth_tb_s": BANDWIDTH / 1e12, "graphs": cuda and not args.no_graphs, "results": results}
-    out = args.out or f"benchmarks/results/kv-dtype-decode-{device.split()[-1].lower()}-{doc['date']}.json"
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
+    out = write_results(doc, "kv-dtype-decode", args.out)
     print(f"{'batch':>5} {'context':>7} {'kv':>4} {'tok/s':>9} {'roofline':>9} {'frac':>6} {'speedup':>8}")
     for r in results:
         for kv in KV_DTYPES:
