@@ -149,7 +149,6 @@ class SlowTurns:
         self._seen = self._counters()
         _log_triton_compiles()
 
-
     def start(self) -> "_TurnTimer":
         return _TurnTimer()
 

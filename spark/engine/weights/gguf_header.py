@@ -91,17 +91,15 @@ def read_header(path: str | os.PathLike, skip_arrays: tuple[str, ...] = ("tokeni
     for name, qtype, dims, offset in infos:
         shape = tuple(reversed(dims))  # numpy order: rows outermost
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        count = int(np.prod(dims)) * type_size // block
+        nbytes = int(np.prod(dims)) * type_size // block
         if qtype in _VALUE_TYPES:
             dtype = _VALUE_TYPES[qtype]
-            count //= np.dtype(dtype).itemsize
         else:
             dtype, shape = np.uint8, (*shape[:-1], shape[-1] * type_size // block)
         lo = start + offset
-        if lo + count * np.dtype(dtype).itemsize > len(buf):
+        if lo + nbytes > len(buf):
             raise ValueError(f"tensor {name} runs past the end of the file")
-        tensors.append(TensorInfo(name, qtype, dims, buf[lo:lo + count * np.dtype(dtype).itemsize]
-                                  .view(dtype).reshape(shape)))
+        tensors.append(TensorInfo(name, qtype, dims, buf[lo:lo + nbytes].view(dtype).reshape(shape)))
     return GGUFHeader(meta, lengths, tensors)
 
 
