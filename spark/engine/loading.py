@@ -98,10 +98,10 @@ def load_engine(
         from spark.engine import kv_calibration as calibration
 
         t0 = time.perf_counter()
-        scales = calibration.calibrate(engine)
-        log.info("fp8 KV scales from a %d-token prefill in %.1fs: K %s, V %s", len(calibration.calibration_tokens(engine)),
-                 time.perf_counter() - t0, sorted(set(scales[:, 0].flatten().tolist())),
-                 sorted(set(scales[:, 1].flatten().tolist())))
+        tokens = calibration.calibration_tokens(engine)
+        scales = calibration.calibrate(engine, tokens)
+        log.info("fp8 KV scales from a %d-token prefill in %.1fs: K %s, V %s", len(tokens), time.perf_counter() - t0,
+                 sorted(set(scales[:, 0].flatten().tolist())), sorted(set(scales[:, 1].flatten().tolist())))
     if adapt_cpu_threads and runtime.device.type == "cpu":
         engine.threads = IdleCoreThreads()
     return engine
