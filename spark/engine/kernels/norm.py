@@ -117,6 +117,32 @@ def _launch(x, residual, weight, eps, shape=None):
 
 
 @functools.cache
+def jit_head_norm():
+    """JIT and return `head_norm`, Qwen3's per-head q/k RMSNorm as the decode attention kernel
+    (paged_attention.py) takes it inside its launch, rounded as `rms_norm_reference` rounds."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def head_norm(x1, x2, weight_ptr, lane, half, dim_ok, head_dim, eps, dtype):
+        """RMSNorm of each row of heads held as rope's halves: lane d has x1 = x[d % half] and
+        x2 = x[half + d % half] ([rows, BLOCK_D] fp32, masked lanes 0). Returns them normed as
+        `rms_norm_reference` rounds: x * rstd rounded to `dtype`, times the weight, rounded.
+        Every element sits in two lanes (as x1 in one, x2 in another), so the lanes' x1^2 + x2^2
+        sum to twice the row's sum of squares."""
+        mean_square = tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * head_dim)
+        rstd = tl.rsqrt(mean_square + eps)[:, None]
+        w1 = tl.load(weight_ptr + lane, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + half + lane, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        return x1, x2
+
+    return head_norm
+
+
+@functools.cache
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""

@@ -20,7 +20,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from spark.engine.kernels import fp8, key_block, launch, rope
+from spark.engine.kernels import fp8, key_block, launch, norm, rope
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -435,6 +435,7 @@ def _kernels():
 
     global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize, _head_norm
     _quantize = fp8.jit_quantize()
+    _head_norm = norm.jit_head_norm()
     _attend_keys = key_block.attend_keys()
     _load_block, _attend_block = key_block.steps()
     _rope_cos_sin = rope.jit_cos_sin()
@@ -450,23 +451,6 @@ def _kernels():
         return seq_len, start, tl.minimum(start + part_len, seq_len)
 
     _partition = partition
-
-    @triton.jit
-    def head_norm(x1, x2, weight_ptr, lane, half, dim_ok, head_dim, eps, dtype):
-        """RMSNorm of each row of heads held as rope's halves: lane d has x1 = x[d % half] and
-        x2 = x[half + d % half] ([rows, BLOCK_D] fp32, masked lanes 0). Returns them normed as
-        `norm.rms_norm_reference` rounds: x * rstd rounded to `dtype`, times the weight, rounded.
-        Every element sits in two lanes (as x1 in one, x2 in another), so the lanes' x1^2 + x2^2
-        sum to twice the row's sum of squares."""
-        mean_square = tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * head_dim)
-        rstd = tl.rsqrt(mean_square + eps)[:, None]
-        w1 = tl.load(weight_ptr + lane, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(weight_ptr + half + lane, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        return x1, x2
-
-    _head_norm = head_norm
 
     # What changes from step to step is not specialized on: the ints (the block table's width, the
     # split count: Triton's ==1 and %16 cases) and the alignment of the int32 metadata (a mixed step
