@@ -116,6 +116,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    routed = False  # what ``ops.block_one_row`` asks a feed-forward (models/moe.py's SparseMoe: True)
+
     def __init__(self, config: ModelConfig, ops: Ops, tp: TensorParallel = SINGLE):
         super().__init__()
         self.ops, self.tp = ops, tp

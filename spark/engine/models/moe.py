@@ -50,7 +50,7 @@ class MoeModel(LlamaModel):
         super().__init__(config, runtime)
         # Batch-1 decode: the one-row block, where the ops fuse an MoE block's too (the GPU's); the
         # CPU's is the dense MLP's. SPARK_MOE_ONE_ROW=0 keeps the generic path (for measuring it).
-        self.one_row = (self.one_row and getattr(runtime.ops, "fuses_moe_one_row", False)
+        self.one_row = (self.one_row and runtime.ops.fuses_moe_one_row
                         and os.environ.get("SPARK_MOE_ONE_ROW", "1") != "0")
 
     def make_block(self, config: ModelConfig, ops: Ops, layer: int) -> nn.Module:

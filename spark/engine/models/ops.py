@@ -40,6 +40,7 @@ class Ops(Protocol):
     """What a model's math may call. Shapes: x [T, D]; q [T, H, Dh]; k, v [T, Hkv, Dh]."""
 
     fuses_one_row: bool  # has ``block_one_row``: the dense block for a one-token step
+    fuses_moe_one_row: bool  # ``block_one_row`` takes an MoE block too
     fuses_qk_norm: bool  # ``attend`` takes ``qk_norm=(q weight, k weight, eps)``: Qwen3's per-head norms, inside
 
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope: ...
@@ -94,6 +95,7 @@ class TorchOps:
     """The torch references: the CPU's path, and the ground truth of every kernel."""
 
     fuses_one_row = False
+    fuses_moe_one_row = False
     fuses_qk_norm = False
     rope = staticmethod(_rope_cos_sin)
     rms_norm = staticmethod(norm.rms_norm_reference)
@@ -144,7 +146,7 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
         h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
     h = tp.reduce(small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight,
                                                    residual=h if tp.leads else None))
-    if getattr(ffn, "routed", False):  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
+    if ffn.routed:  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
         assert tp.world_size == 1, "MoE layers are not split over ranks"
         return fused_moe.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
                                             ffn.w2, ffn.top_k, ffn.renormalize)
