@@ -53,12 +53,18 @@ class Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            name = func._overloadpacket.__name__ + "." + func._overloadname
-            if name == "reshape.default":  # seen whole under inference_mode: a view, or a copy kernel
-                same = out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
-                name = "reshape(view)" if same else "reshape(copy)"
-            self.ops[self.scope][name] += 1
+            self.ops[self.scope][op_name(func, args, out)] += 1
         return out
+
+
+def op_name(func, args, out) -> str:
+    """An aten op's name as these counts key it: "overload.name", a reshape told apart as
+    "reshape(view)" or "reshape(copy)" (seen whole under inference_mode: a view, or a copy kernel)."""
+    name = func._overloadpacket.__name__ + "." + func._overloadname
+    if name == "reshape.default":
+        same = out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
+        name = "reshape(view)" if same else "reshape(copy)"
+    return name
 
 
 def main() -> None:

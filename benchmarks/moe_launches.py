@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from attention_launches import NO_KERNEL  # noqa: E402  (a sibling: benchmarks/ is the script's directory)
+from attention_launches import NO_KERNEL, op_name  # noqa: E402  (a sibling: benchmarks/ is the script's directory)
 
 
 class Recorder(TorchDispatchMode):
@@ -47,10 +47,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            name = func._overloadpacket.__name__ + "." + func._overloadname
-            if name == "reshape.default":
-                same = out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
-                name = "reshape(view)" if same else "reshape(copy)"
+            name = op_name(func, args, out)
             aliased = isinstance(out, torch.Tensor) and args and out is args[0]  # e.g. ``.float()`` of fp32
             if name not in NO_KERNEL and not aliased:
                 self.events.append((self.layer, "aten:" + name))
