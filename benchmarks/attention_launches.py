@@ -24,9 +24,11 @@ import argparse
 import collections
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout: spark, tests
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
