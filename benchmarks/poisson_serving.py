@@ -336,7 +336,10 @@ def policy_row(policy: str, args, prompts, arrivals, url: str, extra: list[str])
            "--max-prefill-tokens", str(args.max_prefill_tokens),
            "--max-model-len", str(args.max_model_len or args.max_prompt + args.new + 16), *extra]
     print(f"poisson_serving: {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.step_trace:  # the server's every step (warm-up included), one JSON line each
+        env["SPARK_STEP_TRACE"] = os.path.join(args.step_trace, f"{policy}-steps.jsonl")
+    server = subprocess.Popen(cmd, env=env)
     snapshots: list[tuple[float, dict]] = []
     stop = threading.Event()
     try:
@@ -460,6 +463,7 @@ def main() -> int:
     ap.add_argument("--load-procs", type=int, default=8, help="load-generator processes")
     ap.add_argument("--warmup", type=int, default=32, help="warm-up requests per server (4 tokens each)")
     ap.add_argument("--settle", type=float, default=180.0, help="seconds to wait at most for the graph capture")
+    ap.add_argument("--step-trace", default="", help="a folder: each server logs its steps to <policy>-steps.jsonl")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 

@@ -1,10 +1,12 @@
 """Where a decode step's GPU time goes: the kernels of eager decode steps, by total time.
 
     python benchmarks/profile_decode.py [--model dummy:llama-3.1-8b] [--batch 1 64] [--context 192]
-                                        [--kv-dtype auto|fp8] [--top 8]
+                                        [--kv-dtype auto|fp8] [--top 8] [--graphs]
 
 Dummy bf16 weights; each batch prefills ``--context`` tokens per sequence, then
-profiles 5 eager decode steps (no CUDA graph, so every kernel is seen by name).
+profiles 5 eager decode steps (no CUDA graph, so every kernel is seen by name), or with
+``--graphs`` 5 replays of the decode graphs a server captures (the path it really takes at
+batch 1: the one-row blocks; CUPTI still names each kernel of a replay).
 For each batch: kernel time per step by kernel family, and the bandwidth the
 big matmuls reach (weight bytes / their time) against 4.25 TB/s.
 """
@@ -32,7 +34,8 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str = "auto", top: int = 8) -> dict:
+def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str = "auto", top: int = 8,
+            graphs: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from spark.engine.engine import Engine
@@ -55,6 +58,10 @@ def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str 
     def decode() -> None:
         engine.step(StepPlan(tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in ids)))
 
+    if graphs:
+        engine.enable_cuda_graphs(batch)
+        while engine.capture_next_graph():
+            pass
     decode()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -75,7 +82,7 @@ def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str 
     total = sum(per_family.values())
     matmul_us = per_family.get("matmul", 0.0)
     return {
-        "model": model, "kv_dtype": kv_dtype, "batch": batch, "context": context, "kernels_per_step": round(count / steps, 1),
+        "model": model, "kv_dtype": kv_dtype, "graphs": graphs, "batch": batch, "context": context, "kernels_per_step": round(count / steps, 1),
         "gpu_us_per_step": round(total, 1),
         "us_per_step_by_family": {k: round(v, 1) for k, v in sorted(per_family.items(), key=lambda kv: -kv[1])},
         "matmul_bandwidth_frac": round(weight_bytes / (matmul_us * 1e-6) / BANDWIDTH, 3) if matmul_us else None,
@@ -97,11 +104,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--kv-dtype", default="auto", help="the KV cache's dtype: auto (the model's) or fp8")
     ap.add_argument("--top", type=int, default=8, help="how many kernels to list by time")
+    ap.add_argument("--graphs", action="store_true", help="profile decode graph replays, not eager steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     for b in args.batch:
-        rows.append(profile(args.model, b, args.context, kv_dtype=args.kv_dtype, top=args.top))
+        rows.append(profile(args.model, b, args.context, kv_dtype=args.kv_dtype, top=args.top, graphs=args.graphs))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.out:

@@ -99,8 +99,9 @@ def percentile(values, q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def run(policy: str, scenario: Scenario = Scenario()) -> Result:
-    """Run ``scenario`` under ``policy`` ("fifo" or "slai"), in a fraction of a second of real time.
+def run(policy: str, scenario: Scenario = Scenario(), step_trace: str | None = None) -> Result:
+    """Run ``scenario`` under ``policy`` ("fifo" or "slai"), in a fraction of a second of real time;
+    ``step_trace``: a file for the core's step log (``ServeConfig.step_trace``).
 
     Returns:
         The token gaps of the streams and the TTFTs of the long prompts.
@@ -112,6 +113,7 @@ def run(policy: str, scenario: Scenario = Scenario()) -> Result:
         scheduler=policy, max_prefill_tokens=scenario.max_prefill_tokens,
         tbt_deadline_ms=1000 * scenario.tbt_deadline, max_batch_size=64, max_waiting=256,
         prefix_caching=False,  # its prompts are one token repeated: a cache would compute them once
+        step_trace=step_trace,
     )
     core = new_core(engine, config, clock=clock)
     streams = [f"stream-{i}" for i in range(scenario.num_streams)]

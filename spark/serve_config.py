@@ -59,6 +59,9 @@ class ServeConfig:
     # collected, garbage collections and CUDA allocator retries meanwhile); None: off.
     slow_turn_ms: float | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.gt(0)))
+    # Diagnostics: append one JSON line per engine step to this file (its shape, the context it read, the
+    # policy's prediction and budget, its seconds: what fits a step-time model); None: off.
+    step_trace: str | None = None
     max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
     # Full prompt pages are cached and reused by later prompts that start with the same tokens.
     prefix_caching: bool = True

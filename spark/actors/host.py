@@ -15,6 +15,7 @@ transport and turns the core's events into the streamer's messages.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import sys
@@ -56,7 +57,18 @@ def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], flo
 
         grammars = XGrammars(engine.tokenizer, engine.vocab_size)
     return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
-                faults=Faults.parse(config.faults), grammars=grammars, speculation=config.spec_config())
+                faults=Faults.parse(config.faults), grammars=grammars, speculation=config.spec_config(),
+                step_log=step_trace(config.step_trace) if config.step_trace else None)
+
+
+def step_trace(path: str) -> Callable[[dict], None]:
+    """``Core``'s step_log writing JSON lines to ``path`` (appended, line-buffered: a crash keeps them)."""
+    out = open(path, "a", buffering=1)
+
+    def write(record: dict) -> None:
+        out.write(json.dumps(record) + "\n")
+
+    return write
 
 
 # -- the core's side ------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class _Launched:
     prompt_marks: tuple[tuple[Hashable, int, int], ...] = ()  # (seq, tokens computed after it, epoch): prefills
     masked_later: tuple[Hashable, ...] = ()  # constrained rows whose masks it waits for (``sample_late``)
     speculated: tuple[tuple[Hashable, int], ...] = ()  # (seq, tokens drafted): decodes of speculating sequences
+    traced: dict | None = None  # its shape and the policy's view when planned (``step_log`` only)
 
 
 
@@ -70,12 +71,16 @@ class Core:
         grammars: builds the matchers of constrained requests (``spark.core.grammar``); None: a
             request with a grammar fails.
         speculation: how requests speculate (``spark.core.speculation``); None: none does.
+        step_log: diagnostics: called with one dict per collected step (its shape, the context its
+            rows attend to, what the policy predicted, the seconds it took); None: off.
     """
 
     def __init__(self, engine: StepEngine, scheduler: Scheduler, *, depth: int = DEFAULT_DEPTH,
                  clock: Callable[[], float] = time.perf_counter, faults: Faults = Faults(),
-                 grammars: Grammars | None = None, speculation: SpecConfig | None = None):
+                 grammars: Grammars | None = None, speculation: SpecConfig | None = None,
+                 step_log: Callable[[dict], None] | None = None):
         self.engine, self.scheduler = engine, scheduler
+        self.step_log = step_log
         self.grammars = grammars
         self.speculator = Speculator(speculation) if speculation is not None else None
         self._matchers: dict[Hashable, Matcher] = {}
@@ -289,6 +294,7 @@ class Core:
             marks = tuple((s.request_id, s.num_computed, s.epoch)
                           for s, c in zip(seqs, chunks) if s.num_computed - c.num_tokens < s.prompt_len)
         self._added, self._removed, self._reset = [], [], []
+        traced = self._trace_plan(chunks, now) if self.step_log else None
         at = self.clock()
         self._launches += 1
         try:
@@ -298,8 +304,24 @@ class Core:
             error = None
         except Exception as exc:
             error, later = step_failure(exc), ()
-        self._inflight.append(_Launched(plan.chunks, at, error, marks, later, speculated))
+        self._inflight.append(_Launched(plan.chunks, at, error, marks, later, speculated, traced))
         return True
+
+    def _trace_plan(self, chunks: list[Chunk], now: float) -> dict:
+        """A planned step as ``step_log`` sees it: decode rows and the context they read, prompt tokens
+        and the context their chunks attend to, and the policy's prediction of its time."""
+        rows = ctx = prefill = attended = 0
+        for chunk in chunks:
+            computed = self.scheduler.seq(chunk.seq_id).num_computed  # (the step counted as done)
+            if chunk.num_tokens == 1 or chunk.draft:
+                rows, ctx = rows + 1, ctx + computed
+            else:
+                prefill += chunk.num_tokens
+                attended += chunk.num_tokens * (computed - chunk.num_tokens) + chunk.num_tokens * (chunk.num_tokens + 1) // 2
+        record = {"planned": now, "rows": rows, "ctx": ctx, "prefill": prefill, "attended": attended,
+                  "waiting": len(self.scheduler.waiting)}
+        record.update(getattr(self.scheduler.policy, "last_plan", None) or {})
+        return record
 
     def _speculating(self) -> bool:
         return self.speculator is not None and self.speculator.on(len(self.scheduler.running))
@@ -339,6 +361,9 @@ class Core:
         # The device time of a pipelined step: from when it could start (launched, and the
         # one before it done) to its end.
         seconds, self._last_done = done - max(step.at, self._last_done), done
+        if step.traced is not None:
+            self.step_log({**step.traced, "launched": step.at, "done": done, "seconds": seconds,
+                           "sampled": len(outputs)})
         self._account(step.chunks, StepResult(tuple(outputs), seconds, error), done, events, step.prompt_marks,
                       step.speculated)
         if self._inflight and self._inflight[0].masked_later:

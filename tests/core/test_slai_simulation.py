@@ -6,6 +6,8 @@ the real core over the engine double, step time 5 ms + 0.25 ms/token on a fake c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.slai_simulation import ROUGH, Scenario, percentile, run
@@ -45,3 +47,23 @@ def test_slai_keeps_most_gaps_within_the_deadline_when_step_times_are_rough():
     late = {policy: sum(g > scenario.tbt_deadline for g in r.gaps) / len(r.gaps)
             for policy, r in ((p, run(p, scenario)) for p in ("fifo", "slai"))}
     assert late["slai"] <= 0.02 and late["fifo"] >= 5 * late["slai"], late
+
+
+def test_the_step_trace_logs_every_step_with_what_slai_planned(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    result = run("slai", step_trace=str(path))
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert result.steps - 2 <= len(steps) <= result.steps  # (the last steps launched may be uncollected)
+    scenario = Scenario()
+    prompts = scenario.num_streams * scenario.stream_prompt_tokens
+    assert sum(s["prefill"] for s in steps) >= prompts + scenario.num_long_prompts * scenario.long_prompt_tokens[0]
+    planned = [s for s in steps if "budget" in s]  # once the fit exists
+    assert len(planned) > len(steps) // 2
+    for s in planned:
+        assert s["prefill"] <= max(s["budget"], 0) or s["prefill"] == 0
+        base, per_row, per_token = s["fit"]
+        predicted = base + per_row * s["rows"] + per_token * s["prefill"]
+        # the simulated step is 5 ms + 0.25 ms a token, which the fit recovers
+        assert abs(s["seconds"] - predicted) < 0.002, s
+    decoding = [s for s in steps if s["rows"]]
+    assert all(s["ctx"] >= s["rows"] * scenario.stream_prompt_tokens for s in decoding)

@@ -12,6 +12,8 @@ pages run out, the streams closest to their deadline decode first.
 
 from __future__ import annotations
 
+import attrs
+
 from spark.core.step_model import StepTimeModel
 
 MARGIN = 0.9  # of the slack a step may use: the rest is the step's own host overhead and noise
@@ -32,6 +34,7 @@ class Slai:
         self.tbt_deadline = limits.tbt_deadline
         self.min_prefill_chunk = limits.min_prefill_chunk
         self.step_time = StepTimeModel()
+        self.last_plan: dict | None = None  # the latest budget's inputs, for the core's step_log
 
     def deadline(self, seq) -> float:
         target = seq.tbt if seq.tbt is not None else self.tbt_deadline
@@ -41,12 +44,14 @@ class Slai:
         return sorted(running, key=self.deadline)
 
     def prefill_budget(self, running, now: float, num_decodes: int) -> int:
-        fit = self.step_time.fit()
+        fit, self.last_plan = self.step_time.fit(), None
         if not running or fit is None:
             return self.max_prefill_tokens
         slack = min(self.deadline(s) for s in running) - now
-        return prefill_within(fit, slack, num_decodes, self.max_prefill_tokens, self.min_prefill_chunk,
-                              self.step_time.overrun())
+        overrun = self.step_time.overrun()
+        budget = prefill_within(fit, slack, num_decodes, self.max_prefill_tokens, self.min_prefill_chunk, overrun)
+        self.last_plan = {"slack": slack, "overrun": overrun, "budget": budget, "fit": attrs.astuple(fit)}
+        return budget
 
     def observe_step(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         self.step_time.observe(decode_rows, prefill_tokens, seconds)
