@@ -75,6 +75,10 @@ for name in "$@"; do
         # poisson-long with every step of both servers logged (<policy>-steps.jsonl): data for the step model
         poisson-trace) poisson "$name" 330 --prompt-dist lognormal --rate 20 --requests 800 --new 512 \
                 --spark-args="--tbt-deadline-ms 25" --step-trace "$OUT" ;;
+        # issue 24's acceptance load: ~256 streams (cap 256), Poisson 26/s, log-normal prompts 128-4k, 512 new
+        # tokens; SLAI's target 1.8 decode-only steps of the running batch, never above 60 ms
+        poisson-256) poisson "$name" 360 --prompt-dist lognormal --rate 26 --requests 1000 --new 512 \
+                --spark-args="--tbt-deadline-ms 60 --tbt-decode-factor 1.8" --step-trace "$OUT" ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         # issue 22's decode attention alone (8B, 32 x 4k and 1 x 32k): bf16 vs fp8 cache, and fp8 configs swept
@@ -99,6 +103,8 @@ for name in "$@"; do
         # the same, as a server decodes: replays of the captured decode graphs (one-row blocks)
         profile-moe-graphs) SPARK_PIECEWISE_GRAPHS=0 step "$name" 200 python profile_decode.py \
             --model dummy:qwen3-30b-a3b --batch 1 --context 128 --graphs --top 30 --out "$OUT/profile-moe-graphs.json" ;;
+        profile-moe-graphs-nopdl) SPARK_PDL=0 SPARK_PIECEWISE_GRAPHS=0 step "$name" 200 python profile_decode.py \
+            --model dummy:qwen3-30b-a3b --batch 1 --context 128 --graphs --top 30 --out "$OUT/$name.json" ;;
         profile-host) step "$name" 120 python profile_host.py --rows 32 --prefill 0,128 ;;
         # issue 21: constrained vs free decode (dummy 8B, 64 rows of forced calls and JSON), with a third
         # kind of run, the grammars as xgrammar writes them (bounded repeats unchained), alternated in one process
