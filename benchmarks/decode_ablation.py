@@ -137,6 +137,39 @@ if preset == "llama-3.1-8b":
     for cfg in (dot(64, 128, num_stages=4), dot(32, 256, num_stages=4), dot(64, 64, num_stages=6)):
         variants[f"triton_wqkv:{tag(cfg)}"] = {"patch": {(llama.Attention, "forward"): triton_wqkv(cfg)}, "rows": "dot"}
 
+if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's launch shapes in the chain
+    from spark.engine.kernels import fused_moe as fm
+
+    one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731 (the FMA path)
+    for name, shape, cfgs in [
+        ("wqkv", WQKV, [one(4, 2048, num_warps=2), one(8, 2048, num_warps=2), one(4, 1024, num_warps=2),
+                        one(2, 2048, num_warps=2), one(8, 1024, num_warps=2, early_tile=True),
+                        one(4, 2048, num_warps=4)]),
+        ("wo", WO, [one(4, 2048), one(4, 4096), one(2, 4096), one(4, 2048, num_warps=2), one(2, 2048, num_warps=2),
+                    one(8, 2048, early_tile=True), one(4, 2048, early_tile=True), one(8, 1024, num_warps=2)]),
+    ]:
+        for cfg in cfgs:
+            t = f"{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}{'e' if cfg.early_tile else ''}"
+            variants[f"{name}:{t}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+    real_gemv = fm.gemv_config
+
+    def gemv(part, **shape):
+        def f(hidden, inter):
+            cfg = real_gemv(hidden, inter)
+            return {**cfg, part: {**cfg[part], **shape}}
+        return f
+
+    for bn, bk, w in ((2, 2048, 2), (8, 2048, 2), (4, 2048, 4), (4, 1024, 2), (2, 2048, 1), (8, 2048, 4),
+                      (2, 1024, 1)):
+        variants[f"gate_up:{bn}x{bk}w{w}"] = {
+            "patch": {(fm, "gemv_config"): gemv("gate_up", BLOCK_N=bn, BLOCK_K=bk, num_warps=w)}, "rows": "one"}
+    for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8)):
+        variants[f"down:{bn}x1024w{w}"] = {
+            "patch": {(fm, "gemv_config"): gemv("down", BLOCK_N=bn, num_warps=w)}, "rows": "one"}
+    for bn, w, early in ((1, 2, True), (4, 2, True), (2, 4, True), (2, 2, False), (8, 4, True)):
+        variants[f"router:{bn}w{w}{'e' if early else ''}"] = {
+            "patch": {(fm, "ROUTER_CONFIG"): dict(fm.ROUTER_CONFIG, block_n=bn, num_warps=w, early_tile=early)},
+            "rows": "one"}
 # Decode attention's launch config (all batches; 33-64 rows where the key loop is the longest).
 # One stage (no software pipelining): less shared memory a program, so more of a 64-row
 # batch's 512 programs fit on the SMs at once, trading each program's overlap of its own

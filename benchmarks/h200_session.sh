@@ -79,6 +79,21 @@ for name in "$@"; do
         # tokens; SLAI's target 1.8 decode-only steps of the running batch, never above 60 ms
         poisson-256) poisson "$name" 360 --prompt-dist lognormal --rate 26 --requests 1000 --new 512 \
                 --spark-args="--tbt-deadline-ms 60 --tbt-decode-factor 1.8" --step-trace "$OUT" ;;
+        poisson-22) export SPARK_SLOW_TURN_MS=30
+            poisson "$name" 360 --prompt-dist lognormal --rate 22 --requests 1000 --new 512 \
+                --spark-args="--tbt-deadline-ms 60 --tbt-decode-factor 1.8" --step-trace "$OUT"
+            unset SPARK_SLOW_TURN_MS
+            grep -c "slow turn" "$OUT/$name.log"; grep "slow turn" "$OUT/$name.log" | head -n 12 | cut -c1-400 ;;
+        # issue 23's batch 1 in the chain: each launch shape of the one-row MoE block against the base
+        moe-ablate) step "$name" 420 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,skip_attention,skip_wqkv,skip_wo,no_early_tile,no_early_loads,splits:1,splits:2,$(python3 -c "
+import itertools
+w=['wqkv:4x2048w2','wqkv:8x2048w2','wqkv:4x1024w2','wqkv:2x2048w2','wqkv:8x1024w2e','wqkv:4x2048w4',
+ 'wo:4x2048w4','wo:4x4096w4','wo:2x4096w4','wo:4x2048w2','wo:2x2048w2','wo:8x2048w4e','wo:4x2048w4e','wo:8x1024w2',
+ 'gate_up:2x2048w2','gate_up:8x2048w2','gate_up:4x2048w4','gate_up:4x1024w2','gate_up:2x2048w1','gate_up:8x2048w4',
+ 'gate_up:2x1024w1','down:2x1024w4','down:8x1024w4','down:4x1024w2','down:4x1024w8','down:2x1024w2','down:8x1024w8',
+ 'down:16x1024w8','router:1w2e','router:4w2e','router:2w4e','router:2w2','router:8w4e']
+print(','.join(w))"),base2 ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         # issue 22's decode attention alone (8B, 32 x 4k and 1 x 32k): bf16 vs fp8 cache, and fp8 configs swept
