@@ -160,12 +160,35 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
         return f
 
     for bn, bk, w in ((2, 2048, 2), (8, 2048, 2), (4, 2048, 4), (4, 1024, 2), (2, 2048, 1), (8, 2048, 4),
-                      (2, 1024, 1)):
+                      (2, 1024, 1), (1, 2048, 1), (4, 2048, 1), (1, 1024, 1)):
         variants[f"gate_up:{bn}x{bk}w{w}"] = {
             "patch": {(fm, "gemv_config"): gemv("gate_up", BLOCK_N=bn, BLOCK_K=bk, num_warps=w)}, "rows": "one"}
-    for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8)):
+    for stages in (1, 2, 4):
+        variants[f"gate_up:2x2048w1s{stages}"] = {"patch": {(fm, "gemv_config"): gemv(
+            "gate_up", BLOCK_N=2, BLOCK_K=2048, num_warps=1, num_stages=stages)}, "rows": "one"}
+    for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8), (2, 8), (1, 4), (1, 2), (2, 1)):
         variants[f"down:{bn}x1024w{w}"] = {
             "patch": {(fm, "gemv_config"): gemv("down", BLOCK_N=bn, num_warps=w)}, "rows": "one"}
+    for name, shape, cfgs in [("wqkv", WQKV, [one(2, 1024, num_warps=2), one(2, 1024, num_warps=1),
+                                              one(4, 1024, num_warps=1), one(2, 2048, num_warps=1)]),
+                              ("wo", WO, [one(2, 2048, num_warps=2, early_tile=True), one(2, 4096, num_warps=2),
+                                          one(1, 4096, num_warps=2), one(2, 2048, num_warps=1)])]:
+        for cfg in cfgs:
+            t = f"{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}{'e' if cfg.early_tile else ''}"
+            variants[f"{name}:{t}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+
+    def combo(wqkv, wo, gate_up, down):
+        def gemvs(hidden, inter):
+            cfg = real_gemv(hidden, inter)
+            return {"gate_up": {**cfg["gate_up"], **gate_up}, "down": {**cfg["down"], **down}}
+        return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemvs}, "rows": "one"}
+
+    variants["combo_a"] = combo(one(4, 1024, num_warps=2), one(2, 2048, num_warps=2),
+                                dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
+    variants["combo_b"] = combo(one(2, 2048, num_warps=2), one(4, 2048, early_tile=True),
+                                dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=4, num_warps=8))
+    variants["combo_c"] = combo(one(8, 1024, num_warps=2), one(8, 2048),
+                                dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
     for bn, w, early in ((1, 2, True), (4, 2, True), (2, 4, True), (2, 2, False), (8, 4, True)):
         variants[f"router:{bn}w{w}{'e' if early else ''}"] = {
             "patch": {(fm, "ROUTER_CONFIG"): dict(fm.ROUTER_CONFIG, block_n=bn, num_warps=w, early_tile=early)},

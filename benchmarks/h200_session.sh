@@ -94,6 +94,14 @@ w=['wqkv:4x2048w2','wqkv:8x2048w2','wqkv:4x1024w2','wqkv:2x2048w2','wqkv:8x1024w
  'gate_up:2x1024w1','down:2x1024w4','down:8x1024w4','down:4x1024w2','down:4x1024w8','down:2x1024w2','down:8x1024w8',
  'down:16x1024w8','router:1w2e','router:4w2e','router:2w4e','router:2w2','router:8w4e']
 print(','.join(w))"),base2 ;;
+        moe-ablate2) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,gate_up:2x2048w1,gate_up:1x2048w1,gate_up:4x2048w1,gate_up:1x1024w1,gate_up:2x2048w1s1,gate_up:2x2048w1s2,gate_up:2x2048w1s4,down:2x1024w4,down:2x1024w8,down:1x1024w4,down:1x1024w2,down:2x1024w1,wqkv:4x1024w2,wqkv:2x1024w2,wqkv:2x1024w1,wqkv:4x1024w1,wqkv:2x2048w1,wo:2x2048w2,wo:2x2048w2e,wo:2x4096w2,wo:1x4096w2,wo:2x2048w1,combo_a,combo_b,combo_c,base2 ;;
+        # issue 24's acceptance load at the rate this H100 sustains (20/s: FIFO's clients never wait for a slot)
+        poisson-20) export SPARK_SLOW_TURN_MS=40
+            poisson "$name" 330 --prompt-dist lognormal --rate 20 --requests 800 --new 512 \
+                --spark-args="--tbt-deadline-ms 60 --tbt-decode-factor 1.8" --step-trace "$OUT"
+            unset SPARK_SLOW_TURN_MS
+            grep -c "slow turn" "$OUT/$name.log" ;;
         piecewise-check) step "$name" 120 python piecewise_check.py --model dummy:llama-3.1-8b --max-tokens 1024 ;;
         kv-dtype) step "$name" 300 python kv_dtype_decode.py --out "$OUT/kv-dtype.json" ;;
         # issue 22's decode attention alone (8B, 32 x 4k and 1 x 32k): bf16 vs fp8 cache, and fp8 configs swept
