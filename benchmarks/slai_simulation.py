@@ -40,7 +40,6 @@ class Scenario:
     step_base: float = 0.005  # seconds per step
     step_per_token: float = 0.00025  # seconds per computed token
     tbt_deadline: float = 0.100  # SLAI's time-between-tokens target
-    tbt_decode_factor: float | None = None  # SLAI's target at most this many decode-only steps
     max_prefill_tokens: int = 2048
     num_streams: int = 8
     stream_prompt_tokens: int = 32
@@ -112,7 +111,7 @@ def run(policy: str, scenario: Scenario = Scenario(), step_trace: str | None = N
                              max_model_len=1 << 16)
     config = ServeConfig(
         scheduler=policy, max_prefill_tokens=scenario.max_prefill_tokens,
-        tbt_deadline_ms=1000 * scenario.tbt_deadline, tbt_decode_factor=scenario.tbt_decode_factor, max_batch_size=64, max_waiting=256,
+        tbt_deadline_ms=1000 * scenario.tbt_deadline, max_batch_size=64, max_waiting=256,
         prefix_caching=False,  # its prompts are one token repeated: a cache would compute them once
         step_trace=step_trace,
     )

@@ -78,9 +78,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                           "prefills progress; fifo: first come, first served")
     srv.add_argument("--tbt-deadline-ms", type=float, default=None,
                      help="slai's time-between-tokens target of a stream, in ms (default 200; a request's tbt_ms wins)")
-    srv.add_argument("--tbt-decode-factor", type=float, default=None,
-                     help="slai: hold the target to at most this many decode-only steps of the running batch "
-                          "(e.g. 1.8; default: off)")
     srv.add_argument("--ttft-bound", dest="ttft_bound_s", type=float, default=None,
                      help="refuse a request (429, Anthropic 529, with Retry-After) whose first token is predicted to "
                           "come later than this many seconds (default: queue every request)")
@@ -206,7 +203,6 @@ def _serve(args) -> int:
         host=args.host, port=args.port, model=args.model, served_name=args.served_name, device=args.device,
         max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
         scheduler=args.scheduler, scheduler_depth=args.scheduler_depth, tbt_deadline_ms=args.tbt_deadline_ms,
-        tbt_decode_factor=args.tbt_decode_factor,
         ttft_bound_s=args.ttft_bound_s, max_model_len=args.max_model_len,
         cpu_threads=args.cpu_threads, weight_format=args.weight_format, world_size=args.world_size,
         api_keys=tuple(args.api_key) if args.api_key else None,

@@ -48,9 +48,6 @@ class ServeConfig:
     max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(SCHEDULER_POLICIES))
     tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream (a request's tbt_ms wins)
-    # SLAI: the target is at most this many decode-only steps of the running batch (None: tbt_deadline_ms alone)
-    tbt_decode_factor: float | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.gt(1.0)))
     # Refuse (429; Anthropic 529) a request whose first token is predicted to come later than this, with a
     # Retry-After from the prediction (spark/actors/admission.py); None: queue every request.
     ttft_bound_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))

@@ -23,7 +23,7 @@ from collections import deque
 
 import attrs
 
-from spark.core.policies.slai import prefill_within, server_target
+from spark.core.policies.slai import prefill_within
 from spark.core.step_model import StepTimeModel
 
 
@@ -34,7 +34,6 @@ class AdmissionLimits:
     policy: str = "slai"  # "slai": the prefill budget keeps the streams' deadline; else a fixed budget
     max_prefill_tokens: int = 512
     tbt_deadline: float = 0.2
-    tbt_decode_factor: float | None = None  # as ``Limits.tbt_decode_factor``
     min_prefill_chunk: int = 16
     ttft_bound_s: float | None = None  # refuse a request predicted to wait longer; None: admit all
     depth: int = 2  # steps the core launches ahead (``Core.depth``)
@@ -72,8 +71,7 @@ class TtftPredictor:
         limits = self.limits
         budget = limits.max_prefill_tokens
         if limits.policy == "slai" and self.running:
-            target = server_target(fit, self.running, limits.tbt_deadline, limits.tbt_decode_factor)
-            budget = prefill_within(fit, target, self.running, budget, limits.min_prefill_chunk,
+            budget = prefill_within(fit, limits.tbt_deadline, self.running, budget, limits.min_prefill_chunk,
                                     self.step_time.overrun())  # what SLAI keeps back, kept back here too
         ahead = sum(self._queued.values()) + prompt_tokens
         steps = math.ceil(ahead / budget)

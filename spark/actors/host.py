@@ -46,8 +46,7 @@ _MAX_EARLY_CANCELS = 10_000
 
 def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], float] = time.perf_counter) -> Core:
     """The core a ``ServeConfig`` describes around ``engine``: its policy, limits and depth."""
-    limits = Limits(max_prefill_tokens=config.max_prefill_tokens, tbt_deadline=config.tbt_deadline_ms / 1000.0,
-                    tbt_decode_factor=config.tbt_decode_factor)
+    limits = Limits(max_prefill_tokens=config.max_prefill_tokens, tbt_deadline=config.tbt_deadline_ms / 1000.0)
     allocator = engine.new_page_allocator()
     allocator.max_pinned = int(allocator.num_total * min(max(config.prefix_pin_share, 0.0), 1.0))
     scheduler = Scheduler(allocator, make_policy(config.scheduler, limits),

@@ -112,8 +112,7 @@ async def open_system(
         config: limits and policies (``ServeConfig``).
     """
     metrics = Metrics(TtftPredictor(AdmissionLimits(config.scheduler, config.max_prefill_tokens,
-                                                    config.tbt_deadline_ms / 1000.0, config.tbt_decode_factor,
-                                                    ttft_bound_s=config.ttft_bound_s,
+                                                    config.tbt_deadline_ms / 1000.0, ttft_bound_s=config.ttft_bound_s,
                                                     depth=config.scheduler_depth or DEFAULT_DEPTH)))
     transport: Transport = engine.transport() if isinstance(engine, EngineProcess) else ThreadTransport(engine)
     admissions_send, admissions_recv = trio.open_memory_channel(config.max_waiting)

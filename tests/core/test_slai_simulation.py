@@ -67,26 +67,3 @@ def test_the_step_trace_logs_every_step_with_what_slai_planned(tmp_path):
         assert abs(s["seconds"] - predicted) < 0.002, s
     decoding = [s for s in steps if s["rows"]]
     assert all(s["ctx"] >= s["rows"] * scenario.stream_prompt_tokens for s in decoding)
-
-
-def test_a_decode_factor_holds_the_gaps_to_that_many_decode_steps():
-    """With ``tbt_decode_factor`` 2 the 100 ms target shrinks to twice the streams' decode-only step
-    (5 ms + 8 tokens * 0.25 ms = 7 ms): gaps stay within 14 ms while the long prompts still get served."""
-    scenario = Scenario(tbt_decode_factor=2.0)
-    decode_step = scenario.step_base + scenario.num_streams * scenario.step_per_token
-    result = run("slai", scenario)
-    assert result.gap(0.99) <= 2 * decode_step * 1.01, result.summary()
-    assert result.gap(0.99) < run("slai").gap(0.99) / 2  # the plain 100 ms target lets them stretch
-    assert len(result.ttfts) == scenario.num_long_prompts
-
-
-def test_server_target_is_the_deadline_or_that_many_decode_steps():
-    from spark.core.policies.slai import server_target
-    from spark.core.step_model import StepTime
-
-    fit = StepTime(0.005, 0.0001, 0.0002)  # 100 rows: a 15 ms decode-only step
-    assert server_target(fit, 100, 0.2, None) == 0.2
-    assert server_target(fit, 100, 0.2, 2.0) == pytest.approx(0.030)
-    assert server_target(fit, 100, 0.02, 2.0) == 0.02  # the tighter wins
-    assert server_target(None, 100, 0.2, 2.0) == 0.2  # nothing learnt yet
-    assert server_target(fit, 0, 0.2, 2.0) == 0.2

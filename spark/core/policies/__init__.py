@@ -25,9 +25,6 @@ class Limits:
 
     max_prefill_tokens: int = 512  # prompt tokens per step, at most
     tbt_deadline: float = 0.2  # seconds between two tokens of a stream (SLAI's target, unless a request sets its own)
-    # When set, the server's target is at most this many times a decode-only step of the running batch,
-    # as the step time model predicts it: streams as smooth as the card allows, whatever the card.
-    tbt_decode_factor: float | None = None
     min_prefill_chunk: int = 16  # SLAI never cuts a prompt chunk below this
 
 
