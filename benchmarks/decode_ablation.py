@@ -154,8 +154,8 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     real_gemv = fm.gemv_config
 
     def gemv(part, **shape):
-        def f(hidden, inter):
-            cfg = real_gemv(hidden, inter)
+        def f(hidden, inter, num_tokens=1):
+            cfg = real_gemv(hidden, inter, num_tokens)
             return {**cfg, part: {**cfg[part], **shape}}
         return f
 
@@ -178,11 +178,26 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
             variants[f"{name}:{t}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
-        def gemvs(hidden, inter):
-            cfg = real_gemv(hidden, inter)
+        def gemvs(hidden, inter, num_tokens=1):
+            cfg = real_gemv(hidden, inter, num_tokens)
             return {"gate_up": {**cfg["gate_up"], **gate_up}, "down": {**cfg["down"], **down}}
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemvs}, "rows": "one"}
 
+    # Around the defaults of 2026-12-05's fifth session (wqkv 4x1024w1, wo 2x4096w2, gate_up 4x2048w1,
+    # down 2x1024w1), and the shapes before it (an A/B of that change).
+    variants["before_small_weights"] = combo(one(8, 1024, num_warps=2), one(8, 2048),
+                                             dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2), dict(BLOCK_N=4, num_warps=4))
+    for name, shape, cfgs in [("wqkv", WQKV, [one(8, 1024, num_warps=1), one(4, 2048, num_warps=1)]),
+                              ("wo", WO, [one(4, 4096, num_warps=2), one(2, 4096, num_warps=1),
+                                          one(4, 4096, num_warps=1)])]:
+        for cfg in cfgs:
+            variants[f"{name}:{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+    for bn in (8, 16):
+        variants[f"gate_up:{bn}x2048w1"] = {
+            "patch": {(fm, "gemv_config"): gemv("gate_up", BLOCK_N=bn, BLOCK_K=2048, num_warps=1)}, "rows": "one"}
+    for bn in (4, 8):
+        variants[f"down:{bn}x1024w1"] = {
+            "patch": {(fm, "gemv_config"): gemv("down", BLOCK_N=bn, num_warps=1)}, "rows": "one"}
     variants["combo_a"] = combo(one(4, 1024, num_warps=2), one(2, 2048, num_warps=2),
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
     variants["combo_b"] = combo(one(2, 2048, num_warps=2), one(4, 2048, early_tile=True),

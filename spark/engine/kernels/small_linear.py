@@ -88,6 +88,10 @@ class Config:
     split_k: int = 1
 
 
+# One-row weights below this size take the short-stream launch shapes of `tiling` (Llama-3.1-8B's
+# smallest, wo, is 33.5 MB; Qwen3-30B-A3B's attention weights 17-21 MB).
+SMALL_WEIGHT_BYTES = 24 << 20
+
 # Weights up to this size load their first tile early (`Config.early_tile`): SmolLM2's
 # are at most 3.5 MB, Llama-3.1-8B's at least 33.5 MB.
 EARLY_TILE_MAX_BYTES = 8 << 20
@@ -139,6 +143,13 @@ def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
         # w13 60.4 (61.2).
         return Config(128, 128, num_stages=4, use_dot=True) if wide else dot
     if k >= 2048:
+        if m == 1 and n * k * 2 < SMALL_WEIGHT_BYTES and not gated:
+            # A weight of a few tens of MB (an MoE model's attention: Qwen3-30B-A3B's wqkv 21 MB, wo
+            # 17 MB) is too short a stream for 8-row programs to fill an SM's loads: more programs of
+            # fewer rows on one or two warps, inside that model's graphed batch-1 step on an H100
+            # (decode_ablation.py wqkv:4x1024w1, wo:2x4096w2; 1.45 us a layer each).
+            return Config(4, 1024, defer_reduce=False, num_warps=1) if norm else \
+                Config(2, 4096, defer_reduce=False, num_warps=2)
         if m == 1:
             if norm:  # w13 (wide) and wqkv
                 return Config(8, 2048 if wide else 1024, defer_reduce=False, num_warps=2)
