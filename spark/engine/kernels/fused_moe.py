@@ -156,12 +156,13 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
     """
     np2 = small_linear.triton_next_power_of_2
     if inter <= SMALL_EXPERT and num_tokens == 1:
-        # One token of small experts (Qwen3-MoE's 2048 x 768, 3 MB each): one warp a program, so that
-        # an SM holds more programs' loads in flight, and down in 2-row programs (1024 of them). Inside
-        # Qwen3-30B-A3B's graphed batch-1 step on an H100 (decode_ablation.py gate_up:4x2048w1,
-        # down:2x1024w1): 5.6 and 3.4 us a layer faster. Not measured at 2+ tokens: those keep the rest.
+        # One token of small experts (Qwen3-MoE's 2048 x 768, 3 MB each): gate/up on one warp a
+        # program, so that an SM holds more programs' loads in flight, and down one output row a
+        # program (2048 of them). Inside Qwen3-30B-A3B's graphed batch-1 step on an H100
+        # (decode_ablation.py gate_up:4x2048w1 5.6 us a layer faster; down:2x1024w1 3.4, then
+        # down:1x1024w4 1.5 more). Not measured at 2+ tokens: those keep the shapes below.
         return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=1),
-                    down=dict(BLOCK_N=2, BLOCK_K=min(1024, np2(inter)), num_warps=1))
+                    down=dict(BLOCK_N=1, BLOCK_K=min(1024, np2(inter)), num_warps=4))
     return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=2),
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
 
