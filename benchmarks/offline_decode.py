@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -236,7 +237,12 @@ def write_results(doc: dict, name: str, out: str | None = None) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's hash, for a results file ("unknown" outside a checkout)."""
+    """The measured tree's commit, for a results file: the ``COMMIT`` file that a tree exported with
+    ``git archive`` carries at its root (h200_session.sh's .clean trees, inside a checkout of another
+    commit), else HEAD's hash ("unknown" outside a checkout)."""
+    marker = Path(__file__).resolve().parents[1] / "COMMIT"
+    if marker.is_file():
+        return marker.read_text().strip()
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
