@@ -3,16 +3,20 @@
     python benchmarks/poisson_serving.py [--policies slai fifo] [--model dummy:llama-3.1-8b]
         [--requests 1000] [--rate 8] [--concurrency-cap 256] [--min-prompt 128] [--max-prompt 4096]
         [--new 128] [--max-batch-size 256] [--max-prefill-tokens 8192] [--load-procs 8]
-        [--spark-args="--some-flag 1"] [--out FILE]
+        [--spark-args="--some-flag 1"] [--step-trace DIR] [--out FILE]
 
-Issue 24's acceptance run (H200, dummy 8B, 256 streams): arrivals faster than the server drains
-them, so that the cap holds 256 streams in flight (the row's ``streams_mean`` and
-``decode_rows_mean`` say how many there were; lower ``--rate`` for an unsaturated run):
+Issue 24's acceptance run (dummy 8B, a 256-stream cap): Poisson arrivals at the rate the GPU
+sustains, chat-like prompts of 128-4096 tokens, 512 new tokens each, SLAI held to 23 ms between
+tokens (``bash benchmarks/h200_session.sh poisson-20``):
 
-    python benchmarks/poisson_serving.py --model dummy:llama-3.1-8b --requests 1000 --rate 32 \\
-        --concurrency-cap 256 --max-batch-size 256 --max-prefill-tokens 8192 --new 128
+    python benchmarks/poisson_serving.py --model dummy:llama-3.1-8b --requests 800 --rate 20 \
+        --prompt-dist lognormal --new 512 --concurrency-cap 256 --max-batch-size 256 \
+        --max-prefill-tokens 8192 --spark-args="--tbt-deadline-ms 23"
 
-(the admission check adds the server's TTFT-bound flag, once it exists, with ``--spark-args="..."``).
+On an H100 that keeps 145-150 streams on average and up to 212-221. Past that rate (22/s and up)
+the card cannot keep pace: the cap fills, clients wait seconds for a slot under either policy
+(``send_lag_p99_ms``) and the queue, not the policy, sets the figures. Add the server's TTFT bound
+with ``--spark-args="--ttft-bound 2"`` for the admission check (``h200_session.sh poisson-bound``).
 
 For each policy: a fresh ``spark serve --scheduler <policy>`` subprocess; wait for /health and
 for the background CUDA-graph capture (/metrics gauges); a warm-up of ``--warmup`` requests
