@@ -313,7 +313,7 @@ class Core:
         rows = ctx = prefill = attended = 0
         for chunk in chunks:
             computed = self.scheduler.seq(chunk.seq_id).num_computed  # (the step counted as done)
-            if chunk.num_tokens == 1 or chunk.draft:
+            if chunk.decodes:
                 rows, ctx = rows + 1, ctx + computed
             else:
                 prefill += chunk.num_tokens
@@ -450,8 +450,8 @@ class Core:
         """The step's time and shape. A pipelined plan names sequences that ended one step
         before; the engine skips them, so only rows that gave a token count."""
         sampled = {o.seq_id for o in result.outputs}
-        rows = sum(1 for c in chunks if (c.num_tokens == 1 or c.draft) and c.seq_id in sampled)
-        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1 and not c.draft)
+        rows = sum(1 for c in chunks if c.decodes and c.seq_id in sampled)
+        prefill = sum(c.num_tokens for c in chunks if not c.decodes)
         if rows or prefill:
             self._steps.append(StepShape(result.seconds, rows, prefill))
 

@@ -39,6 +39,12 @@ class Chunk:
     mask_later: bool = False
     draft: tuple[int, ...] = ()
 
+    @property
+    def decodes(self) -> bool:
+        """A decode row (one token, or a verification of drafts), not a prompt chunk: what a step's
+        time counts per row rather than per token."""
+        return self.num_tokens == 1 or bool(self.draft)
+
 
 @attrs.frozen
 class NewSequence:

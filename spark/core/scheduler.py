@@ -198,8 +198,8 @@ class Scheduler:
     def on_step_done(self, planned: Iterable[Chunk], sampled: Iterable[Hashable], now: float, seconds: float) -> None:
         """Account a finished step: its time (for the policy) and when its tokens came."""
         planned = list(planned)
-        rows = sum(1 for c in planned if c.num_tokens == 1 or c.draft)
-        self.policy.observe_step(rows, sum(c.num_tokens for c in planned if c.num_tokens > 1 and not c.draft), seconds)
+        rows = sum(1 for c in planned if c.decodes)
+        self.policy.observe_step(rows, sum(c.num_tokens for c in planned if not c.decodes), seconds)
         for seq_id in sampled:
             seq = self._seqs.get(seq_id)
             if seq is not None:

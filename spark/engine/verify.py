@@ -42,7 +42,7 @@ def decode_rows(chunks: Sequence[Chunk], seq_lens: Sequence[int], tables: Sequen
     than ``limit`` rows."""
     if not any(c.draft for c in chunks) or sum(c.num_tokens for c in chunks) > limit:
         return None
-    if any(c.num_tokens > 1 and not c.draft for c in chunks):
+    if any(not c.decodes for c in chunks):
         return None  # a prefill chunk: its logits are the last row's only, and the varlen kernel is cheaper
     row_lens, row_tables = [], []
     for chunk, end, table in zip(chunks, seq_lens, tables):
