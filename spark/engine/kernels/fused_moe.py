@@ -143,31 +143,33 @@ def moe_path(num_tokens: int, top_k: int, num_experts: int) -> str:
     return "gemv" if slots <= (1 + GEMV_MAX_REREAD) * distinct else "grouped"
 
 
-def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
-    """Launch shapes of the two GEMV kernels for an expert of [2I, D] and [D, I] weights (bf16).
+SMALL_EXPERT = 1024  # an expert's intermediate size up to which one token takes ``gemv_config``'s one-warp shapes
 
-    Gate/up: 4 gate and 4 up rows a program over runs of up to 2048 columns on 2 warps, the
-    small-row kernel's fastest shape for a dense w13 with its gate epilogue at one row
-    (small_linear.tiling); Qwen3-MoE's one token: 8 x 192 programs of 32 KB. Down: 4 output rows
-    a program, the whole of I in steps of up to 1024 columns (Qwen3-MoE's 768 in one masked step,
-    every pick's load independent of the others'), on 4 warps: 512 programs of 48 KB for one
-    Qwen3-MoE token, 1024 of 224 KB for one Mixtral token. No split of K for the down
-    projection: its programs already outnumber an H100's SMs fourfold at one token.
+
+def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
+    """Launch shapes of the two GEMV kernels for ``num_tokens`` tokens of an expert of [2I, D] and
+    [D, I] weights (bf16).
+
+    Gate/up: 4 gate and 4 up rows a program over runs of up to 2048 columns, the small-row kernel's
+    fastest shape for a dense w13 with its gate epilogue at one row (small_linear.tiling); Qwen3-MoE's
+    one token: 8 x 192 programs of 32 KB. Down: the whole of I in steps of up to 1024 columns
+    (Qwen3-MoE's 768 in one masked step, every pick's load independent of the others'). No split
+    of K for the down projection: its programs already outnumber an H100's SMs at one token.
+
+    One token of small experts (I <= ``SMALL_EXPERT``; Qwen3-MoE's 2048 x 768, 3 MB each): gate/up on
+    one warp a program, so that an SM holds more programs' loads in flight, and down one output row
+    a program on 4 warps (2048 programs). Inside Qwen3-30B-A3B's graphed batch-1 step on an H100
+    (decode_ablation.py): gate/up on 1 warp 5.6 us a layer faster than on 2; down in 2 rows on 1
+    warp 3.4 faster than 4 rows on 4, and 1 row on 4 warps 1.5 faster still. Several tokens, and larger experts,
+    keep 2 warps for gate/up and 4 output rows a program for down (1024 programs of 224 KB for one
+    Mixtral token); the one-token shapes were not measured there.
     """
     np2 = small_linear.triton_next_power_of_2
     if inter <= SMALL_EXPERT and num_tokens == 1:
-        # One token of small experts (Qwen3-MoE's 2048 x 768, 3 MB each): gate/up on one warp a
-        # program, so that an SM holds more programs' loads in flight, and down one output row a
-        # program (2048 of them). Inside Qwen3-30B-A3B's graphed batch-1 step on an H100
-        # (decode_ablation.py gate_up:4x2048w1 5.6 us a layer faster; down:2x1024w1 3.4, then
-        # down:1x1024w4 1.5 more). Not measured at 2+ tokens: those keep the shapes below.
         return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=1),
                     down=dict(BLOCK_N=1, BLOCK_K=min(1024, np2(inter)), num_warps=4))
     return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=2),
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
-
-
-SMALL_EXPERT = 1024  # an expert's intermediate size up to which ``gemv_config`` takes one-warp programs
 
 
 def block_m(num_slots: int) -> int:
