@@ -56,6 +56,12 @@ def cfg_for(by_shape):
     return f
 C = sl.Config
 WQKV, WO, W13, W2 = (qkv, D), (D, c.num_heads * c.head_dim), (2 * I, D), (D, I)
+def tag(cfg):
+    """A launch shape's name in a variant: rows x columns, d(efer reduce), w(arps), s(tages), e(arly tile)."""
+    t = f"{cfg.block_n}x{cfg.block_k}{'d' if cfg.defer_reduce and not cfg.use_dot else ''}w{cfg.num_warps}"
+    return t + f"{'s%d' % cfg.num_stages if cfg.use_dot else ''}{'e' if cfg.early_tile else ''}"
+
+
 variants = {
     "base": {},
     "no_early_loads": {"flags": {"keys": False}},
@@ -71,10 +77,6 @@ variants = {
 if preset == "llama-3.1-8b":
     one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731 (the FMA path)
     dot = lambda bn, bk, **kw: C(bn, bk, use_dot=True, **kw)  # noqa: E731 (tensor cores, 33-64 rows)
-
-    def tag(cfg):
-        t = f"{cfg.block_n}x{cfg.block_k}{'d' if cfg.defer_reduce and not cfg.use_dot else ''}w{cfg.num_warps}"
-        return t + f"{'s%d' % cfg.num_stages if cfg.use_dot else ''}{'e' if cfg.early_tile else ''}"
 
     # (n, k) as default_config sees them: w13's gated output halves its n.
     for name, shapes, cfgs in [
@@ -144,60 +146,46 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     for name, shape, cfgs in [
         ("wqkv", WQKV, [one(4, 2048, num_warps=2), one(8, 2048, num_warps=2), one(4, 1024, num_warps=2),
                         one(2, 2048, num_warps=2), one(8, 1024, num_warps=2, early_tile=True),
-                        one(4, 2048, num_warps=4)]),
+                        one(4, 2048, num_warps=4), one(2, 1024, num_warps=2), one(2, 1024, num_warps=1),
+                        one(4, 1024, num_warps=1), one(2, 2048, num_warps=1), one(8, 1024, num_warps=1),
+                        one(4, 2048, num_warps=1)]),
         ("wo", WO, [one(4, 2048), one(4, 4096), one(2, 4096), one(4, 2048, num_warps=2), one(2, 2048, num_warps=2),
-                    one(8, 2048, early_tile=True), one(4, 2048, early_tile=True), one(8, 1024, num_warps=2)]),
+                    one(8, 2048, early_tile=True), one(4, 2048, early_tile=True), one(8, 1024, num_warps=2),
+                    one(2, 2048, num_warps=2, early_tile=True), one(2, 4096, num_warps=2),
+                    one(1, 4096, num_warps=2), one(2, 2048, num_warps=1), one(4, 4096, num_warps=2),
+                    one(2, 4096, num_warps=1), one(4, 4096, num_warps=1)]),
     ]:
         for cfg in cfgs:
-            t = f"{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}{'e' if cfg.early_tile else ''}"
-            variants[f"{name}:{t}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+            variants[f"{name}:{tag(cfg)}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
     real_gemv = fm.gemv_config
 
-    def gemv(part, **shape):
+    def gemv(**parts):
+        """gemv_config with some launch arguments of its parts (gate_up, down) replaced."""
         def f(hidden, inter, num_tokens=1):
             cfg = real_gemv(hidden, inter, num_tokens)
-            return {**cfg, part: {**cfg[part], **shape}}
+            return {part: {**shape, **parts.get(part, {})} for part, shape in cfg.items()}
         return f
 
     for bn, bk, w in ((2, 2048, 2), (8, 2048, 2), (4, 2048, 4), (4, 1024, 2), (2, 2048, 1), (8, 2048, 4),
-                      (2, 1024, 1), (1, 2048, 1), (4, 2048, 1), (1, 1024, 1)):
+                      (2, 1024, 1), (1, 2048, 1), (4, 2048, 1), (1, 1024, 1), (8, 2048, 1), (16, 2048, 1)):
         variants[f"gate_up:{bn}x{bk}w{w}"] = {
-            "patch": {(fm, "gemv_config"): gemv("gate_up", BLOCK_N=bn, BLOCK_K=bk, num_warps=w)}, "rows": "one"}
+            "patch": {(fm, "gemv_config"): gemv(gate_up=dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))}, "rows": "one"}
     for stages in (1, 2, 4):
         variants[f"gate_up:2x2048w1s{stages}"] = {"patch": {(fm, "gemv_config"): gemv(
-            "gate_up", BLOCK_N=2, BLOCK_K=2048, num_warps=1, num_stages=stages)}, "rows": "one"}
-    for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8), (2, 8), (1, 4), (1, 2), (2, 1)):
+            gate_up=dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1, num_stages=stages))}, "rows": "one"}
+    for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8), (2, 8), (1, 4), (1, 2), (2, 1), (4, 1),
+                  (8, 1)):
         variants[f"down:{bn}x1024w{w}"] = {
-            "patch": {(fm, "gemv_config"): gemv("down", BLOCK_N=bn, num_warps=w)}, "rows": "one"}
-    for name, shape, cfgs in [("wqkv", WQKV, [one(2, 1024, num_warps=2), one(2, 1024, num_warps=1),
-                                              one(4, 1024, num_warps=1), one(2, 2048, num_warps=1)]),
-                              ("wo", WO, [one(2, 2048, num_warps=2, early_tile=True), one(2, 4096, num_warps=2),
-                                          one(1, 4096, num_warps=2), one(2, 2048, num_warps=1)])]:
-        for cfg in cfgs:
-            t = f"{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}{'e' if cfg.early_tile else ''}"
-            variants[f"{name}:{t}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+            "patch": {(fm, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
-        def gemvs(hidden, inter, num_tokens=1):
-            cfg = real_gemv(hidden, inter, num_tokens)
-            return {"gate_up": {**cfg["gate_up"], **gate_up}, "down": {**cfg["down"], **down}}
-        return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemvs}, "rows": "one"}
+        return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemv(gate_up=gate_up, down=down)},
+                "rows": "one"}
 
-    # Around the defaults of 2026-12-05's fifth session (wqkv 4x1024w1, wo 2x4096w2, gate_up 4x2048w1,
-    # down 2x1024w1), and the shapes before it (an A/B of that change).
+    # The shapes before 2026-12-05's fifth session (an A/B of its defaults: wqkv 4x1024w1, wo 2x4096w2,
+    # gate_up 4x2048w1, down 1x1024w4), and combinations tried on the way.
     variants["before_small_weights"] = combo(one(8, 1024, num_warps=2), one(8, 2048),
                                              dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2), dict(BLOCK_N=4, num_warps=4))
-    for name, shape, cfgs in [("wqkv", WQKV, [one(8, 1024, num_warps=1), one(4, 2048, num_warps=1)]),
-                              ("wo", WO, [one(4, 4096, num_warps=2), one(2, 4096, num_warps=1),
-                                          one(4, 4096, num_warps=1)])]:
-        for cfg in cfgs:
-            variants[f"{name}:{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
-    for bn in (8, 16):
-        variants[f"gate_up:{bn}x2048w1"] = {
-            "patch": {(fm, "gemv_config"): gemv("gate_up", BLOCK_N=bn, BLOCK_K=2048, num_warps=1)}, "rows": "one"}
-    for bn in (4, 8):
-        variants[f"down:{bn}x1024w1"] = {
-            "patch": {(fm, "gemv_config"): gemv("down", BLOCK_N=bn, num_warps=1)}, "rows": "one"}
     variants["combo_a"] = combo(one(4, 1024, num_warps=2), one(2, 2048, num_warps=2),
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
     variants["combo_b"] = combo(one(2, 2048, num_warps=2), one(4, 2048, early_tile=True),
