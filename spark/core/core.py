@@ -320,7 +320,7 @@ class Core:
                 attended += chunk.num_tokens * (computed - chunk.num_tokens) + chunk.num_tokens * (chunk.num_tokens + 1) // 2
         record = {"planned": now, "rows": rows, "ctx": ctx, "prefill": prefill, "attended": attended,
                   "waiting": len(self.scheduler.waiting)}
-        record.update(getattr(self.scheduler.policy, "last_plan", None) or {})
+        record.update(self.scheduler.policy.last_plan or {})
         return record
 
     def _speculating(self) -> bool:

@@ -29,6 +29,8 @@ class Limits:
 
 
 class Policy(Protocol):
+    last_plan: dict | None  # what the latest ``prefill_budget`` was made from, for the core's step log (or None)
+
     def decode_order(self, running: Sequence[SeqState]) -> list[SeqState]:
         """The running sequences in the order they get decode pages (the last may be preempted)."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 class Fifo:
+    last_plan = None  # nothing of its budget to report to the step log: it is fixed
+
     def __init__(self, limits):
         self.max_prefill_tokens = limits.max_prefill_tokens
 
