@@ -148,12 +148,12 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
                         one(2, 2048, num_warps=2), one(8, 1024, num_warps=2, early_tile=True),
                         one(4, 2048, num_warps=4), one(2, 1024, num_warps=2), one(2, 1024, num_warps=1),
                         one(4, 1024, num_warps=1), one(2, 2048, num_warps=1), one(8, 1024, num_warps=1),
-                        one(4, 2048, num_warps=1)]),
+                        one(4, 2048, num_warps=1), one(4, 1024, num_warps=1, early_tile=True)]),
         ("wo", WO, [one(4, 2048), one(4, 4096), one(2, 4096), one(4, 2048, num_warps=2), one(2, 2048, num_warps=2),
                     one(8, 2048, early_tile=True), one(4, 2048, early_tile=True), one(8, 1024, num_warps=2),
                     one(2, 2048, num_warps=2, early_tile=True), one(2, 4096, num_warps=2),
                     one(1, 4096, num_warps=2), one(2, 2048, num_warps=1), one(4, 4096, num_warps=2),
-                    one(2, 4096, num_warps=1), one(4, 4096, num_warps=1)]),
+                    one(2, 4096, num_warps=1), one(4, 4096, num_warps=1), one(2, 4096, num_warps=2, early_tile=True)]),
     ]:
         for cfg in cfgs:
             variants[f"{name}:{tag(cfg)}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
@@ -174,9 +174,14 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
         variants[f"gate_up:2x2048w1s{stages}"] = {"patch": {(fm, "gemv_config"): gemv(
             gate_up=dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1, num_stages=stages))}, "rows": "one"}
     for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8), (2, 8), (1, 4), (1, 2), (2, 1), (4, 1),
-                  (8, 1)):
+                  (8, 1), (1, 8)):
         variants[f"down:{bn}x1024w{w}"] = {
             "patch": {(fm, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
+    # (the down shapes above take the default's early loads, which hold top-k x BLOCK_N x 1024 weights in
+    # registers across the wait: 64 bf16 a thread at 1 row on 4 warps; "late": routing and weights after it)
+    for bn, w in ((1, 4), (2, 1)):
+        variants[f"down:{bn}x1024w{w}late"] = {
+            "patch": {(fm, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w, EARLY=False))}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemv(gate_up=gate_up, down=down)},
@@ -185,7 +190,8 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     # The shapes before 2026-12-05's fifth session (an A/B of its defaults: wqkv 4x1024w1, wo 2x4096w2,
     # gate_up 4x2048w1, down 1x1024w4), and combinations tried on the way.
     variants["before_small_weights"] = combo(one(8, 1024, num_warps=2), one(8, 2048),
-                                             dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2), dict(BLOCK_N=4, num_warps=4))
+                                             dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2),
+                                             dict(BLOCK_N=4, num_warps=4, EARLY=False))
     variants["combo_a"] = combo(one(4, 1024, num_warps=2), one(2, 2048, num_warps=2),
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
     variants["combo_b"] = combo(one(2, 2048, num_warps=2), one(4, 2048, early_tile=True),
