@@ -599,8 +599,8 @@ def _kernels():
         ks = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
         if EARLY:
-            # The picks, their weights' rows and the residual load before the wait on gate/up, under its
-            # tail: none is its output. The routing is ``route_token`` on the router's logits (ROUTE),
+            # The picks, their weights' rows and the residual load before the wait on gate/up, while it
+            # streams its own weights: none is its output. The routing is ``route_token`` on the router's logits (ROUTE),
             # or the ids given, both written before gate/up launched: gate/up's programs each wait on
             # the kernel before them before they let this one launch. The whole of I in one step
             # (BLOCK_K >= I): each pick's rows are held in registers across the wait.
