@@ -7,6 +7,7 @@ that the ids match what llama.cpp would feed the model.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import mmap
@@ -298,6 +299,25 @@ class Tokenizer:
           The ids.
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts of the control tokens (those ``decode`` skips as special), longest first."""
+        return tuple(sorted((self.backend.id_to_token(i) for i in self.special_ids), key=len, reverse=True))
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Token ids of `text` read as plain text: a control token's text (`<|im_end|>`) is
+        spelled out in ordinary tokens, never taken for the control token (a chat message's
+        content must not open or close turns)."""
+        return self._literal_backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _literal_backend(self) -> tokenizers.Tokenizer:
+        # A copy, built on first use (rarely: only text that spells a control token gets here),
+        # so that the flag never changes how the shared backend encodes templates meanwhile.
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; an invalid or unfinished UTF-8 sequence shows as U+FFFD.

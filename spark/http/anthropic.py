@@ -221,8 +221,26 @@ def turn_kwargs(req: CountTokensRequest) -> dict:
             raise ApiError(400, f"output_config.effort must be low, medium, high, xhigh or max, got {effort!r}",
                            param="output_config.effort")
         budget = EFFORT_BUDGETS.get(effort)  # xhigh and max: the server's cap
-    return {"messages": chat_messages(req), "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
-            "enable_thinking": enable, "thinking_budget": budget}
+    messages = chat_messages(req)
+    if len(messages) > 1 and messages[-1] == {"role": "assistant", "content": ""}:
+        messages.pop()  # an empty final assistant message prefills nothing (Anthropic allows it there)
+    return {"messages": messages, "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
+            "enable_thinking": enable, "thinking_budget": budget, "continue_final_message": _prefilled(messages)}
+
+
+def _prefilled(messages: list[dict]) -> bool:
+    """Whether the conversation ends with the start of the answer (Anthropic's prefill): a final
+    assistant message with text and no tool call, which the reply continues.
+
+    Raises:
+      ApiError: 400, a prefill ending in whitespace (as Anthropic's API refuses it).
+    """
+    final = messages[-1]
+    if final["role"] != "assistant" or final.get("tool_calls") or not final["content"]:
+        return False
+    if final["content"] != final["content"].rstrip():
+        raise ApiError(400, "final assistant content cannot end with trailing whitespace", param="messages")
+    return True
 
 
 # -- routes ----------------------------------------------------------------------------

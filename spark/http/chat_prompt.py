@@ -27,6 +27,8 @@ it, so a model that thinks against instructions never leaks reasoning into the c
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -148,9 +150,21 @@ def check_tools(tools: Sequence[Mapping[str, Any]] | None, *, param: str = "tool
         if name in seen:
             raise ApiError(400, f"two tools are named {name!r}", param=f"{param}[{i}].function.name")
         seen.add(name)
-        if not isinstance(function.get("parameters", {}), Mapping):
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
             raise ApiError(400, "parameters must be a JSON schema object", param=f"{param}[{i}].function.parameters")
-    return [dict(t) for t in tools]
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ApiError(400, f"parameters must describe an object (the call's arguments), got type "
+                                f"{parameters.get('type')!r}", param=f"{param}[{i}].function.parameters.type")
+    return [_with_object_parameters(t) for t in tools]
+
+
+def _with_object_parameters(tool: Mapping[str, Any]) -> dict:
+    """The tool with ``{"type": "object", "properties": {}}`` for parameters it leaves out (a function
+    called without arguments, as OpenAI takes it), and "type": "object" where its schema leaves the type
+    out: a forced call's grammar then writes an object, the only arguments a call parser reads."""
+    parameters = dict(tool["function"].get("parameters") or {"properties": {}})
+    return {**tool, "function": {**tool["function"], "parameters": {"type": "object", **parameters}}}
 
 
 def _get(obj: object, key: str) -> object:
@@ -205,8 +219,13 @@ def _arguments_mapping(arguments: object) -> object:
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFormat,
                 tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
-                enable_thinking: bool | None = None, add_generation_prompt: bool = True) -> RenderedPrompt:
+                enable_thinking: bool | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> RenderedPrompt:
     """Render a conversation with the model's chat template and encode it.
+
+    Only the template writes control tokens: a control token's text inside the messages or the
+    tools (a user typing ``<|im_end|>``) is encoded as plain text (``literal_texts``), so that no
+    client text can close a turn or open another role's.
 
     Args:
       tokenizer: the model's ``Tokenizer``.
@@ -216,12 +235,15 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
       chat_template_kwargs: more template variables from the request.
       enable_thinking: the API's thinking switch, or None (see the module docstring).
       add_generation_prompt: end with the assistant's header (False: the conversation as is, ``/tokenize``).
+      continue_final_message: the last message is the start of the assistant's answer (a prefill):
+        the prompt ends with its text, which the model continues, not with a closed turn.
 
     Returns:
       The ``RenderedPrompt``.
 
     Raises:
-      ApiError: 400, reserved template variables, or the template failed to render.
+      ApiError: 400, reserved template variables, a final message that cannot be continued, or the
+        template failed to render.
     """
     kwargs = dict(chat_template_kwargs or {})
     bad = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -234,15 +256,87 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
     thinking = thinking and fmt.thinking_allowed  # the server's kill-switch wins over every request
     if fmt.reasoning:
         kwargs["enable_thinking"] = thinking
+    literals = LiteralTexts(tokenizer.control_texts)
+    shown = literals.hide(template_messages(messages))
     try:
-        text = tokenizer.apply_chat_template(template_messages(messages), tools=list(tools) if tools else None,
-                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        text = tokenizer.apply_chat_template(shown, tools=literals.hide(list(tools)) if tools else None,
+                                             add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                             **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from None
-    ids = tokenizer.encode(text)
+    if continue_final_message:
+        text = _cut_after_final_message(text, shown)
+    ids = literals.encode(tokenizer, text)
     if tokenizer.add_bos_token and ids[:1] != [tokenizer.bos_token_id]:  # as Tokenizer.encode_chat does
         ids.insert(0, tokenizer.bos_token_id)
+    text = literals.restore(text)
     return RenderedPrompt(tuple(ids), text, fmt.reasoning and prompt_ends_in_thinking(text), fmt.reasoning and thinking)
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` (rendered without a generation prompt) up to the end of the last message's content, as
+    transformers' ``continue_final_message`` cuts it (templates may trim the content: its stripped text)."""
+    final = messages[-1] if messages else {}
+    content = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise ApiError(400, "only a final assistant message with text can be continued", param="messages")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ApiError(400, "the chat template does not write the final assistant message as given, "
+                            "so it cannot be continued", param="messages")
+    return text[:at + len(content.strip())]
+
+
+class LiteralTexts:
+    """Client texts that spell a control token, kept out of the template's reach.
+
+    ``hide`` swaps each such spelling in every string of the messages (or tools) for a marker that
+    no template touches (private-use characters around a number); ``encode`` encodes the rendered
+    text, the template's own control tokens as such and each marked spelling as plain text
+    (``Tokenizer.encode_literal``); ``restore`` puts the spellings back in the text. With no such
+    spelling (nearly always) the text is encoded as one piece, as before.
+    """
+
+    def __init__(self, control_texts: Sequence[str]):
+        self._pattern = re.compile("|".join(map(re.escape, control_texts))) if control_texts else None
+        self._nonce = secrets.randbelow(10**9)
+        self._hidden: dict[str, str] = {}
+
+    def hide(self, value: Any) -> Any:
+        if self._pattern is None:
+            return value
+        if isinstance(value, str):
+            return self._pattern.sub(self._mark, value)
+        if isinstance(value, Mapping):
+            return {k: self.hide(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.hide(v) for v in value]
+        return value
+
+    def _mark(self, match: re.Match) -> str:
+        marker = f"\ue000{self._nonce}.{len(self._hidden)}\ue001"
+        self._hidden[marker] = match.group(0)
+        return marker
+
+    def _split(self, text: str) -> list[str]:
+        """Template text and markers, alternating (markers at the odd places)."""
+        return re.split(f"(\ue000{self._nonce}\\.\\d+\ue001)", text)
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        if not self._hidden:
+            return tokenizer.encode(text)
+        ids: list[int] = []
+        for i, piece in enumerate(self._split(text)):
+            if i % 2 == 0:
+                ids += tokenizer.encode(piece) if piece else []
+            else:
+                ids += tokenizer.encode_literal(self._hidden.get(piece, piece))
+        return ids
+
+    def restore(self, text: str) -> str:
+        if not self._hidden:
+            return text
+        return "".join(self._hidden.get(piece, piece) if i % 2 else piece for i, piece in enumerate(self._split(text)))
 
 
 def engine_thinking_budget(fmt: ChatFormat, thinking_enabled: bool, requested: int | None) -> int | None:

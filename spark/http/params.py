@@ -205,7 +205,8 @@ def chat_turn(req: ChatRequest) -> dict:
     return {"messages": chat_messages(req), "tools": chat_tools(req), "tool_choice": tool_choice(req),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "chat_template_kwargs": req.chat_template_kwargs or {}, "enable_thinking": enable_thinking,
-            "thinking_budget": budget, "output_schema": output_schema(req.response_format, param="response_format")}
+            "thinking_budget": budget, "output_schema": output_schema(req.response_format, param="response_format"),
+            "continue_final_message": bool(req.continue_final_message)}
 
 
 def encode_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> list[list[int]]:

@@ -118,6 +118,7 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = None  # vLLM's: the last (assistant) message is a prefill the reply continues
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None

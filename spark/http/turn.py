@@ -266,7 +266,7 @@ def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = ToolChoice(),
                  parallel_tool_calls: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None,
                  enable_thinking: bool | None = None, thinking_budget: int | None = None,
-                 output_schema: str | None = None) -> PreparedTurn:
+                 output_schema: str | None = None, continue_final_message: bool = False) -> PreparedTurn:
     """Check the tools and the tool choice, render the prompt, and settle thinking.
 
     Renders the chat template: call it off the event loop.
@@ -282,6 +282,7 @@ def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any
       enable_thinking: the API's thinking switch, or None.
       thinking_budget: reasoning tokens asked for, or None (capped by the server's maximum).
       output_schema: the JSON schema (text) the answer must follow, or None (``structured.output_schema``).
+      continue_final_message: the last (assistant) message is a prefill the answer continues (``render_chat``).
 
     Returns:
       The ``PreparedTurn``.
@@ -298,7 +299,7 @@ def prepare_turn(tokenizer, fmt: ChatFormat, messages: Sequence[Mapping[str, Any
                        param="tool_choice")
     offered = tuple(tools) if tools and tool_choice.mode != "none" else None
     prompt = render_chat(tokenizer, messages, fmt=fmt, tools=offered, chat_template_kwargs=chat_template_kwargs,
-                         enable_thinking=enable_thinking)
+                         enable_thinking=enable_thinking, continue_final_message=continue_final_message)
     budget = engine_thinking_budget(fmt, prompt.thinking_enabled, thinking_budget)
     reasoning = structured.reasoning_mode(fmt.reasoning, prompt.thinking_enabled, prompt.prompt_ends_in_thinking)
     grammar = structured.turn_grammar(tool_parser=fmt.tool_parser, tools=offered, tool_choice=tool_choice,

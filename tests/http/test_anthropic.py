@@ -227,3 +227,27 @@ def test_a_failed_generation_is_an_api_error(replay, replay_engine):
     assert info.value.body["error"]["type"] == "api_error" and "generation failed" in info.value.message
     assert "generation failed" in str(streamed.value)
     assert replay.messages.create(**kw).content[0].text == REPLIES["[after-tool]"]  # and the server goes on
+
+
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues(replay, replay_engine):
+    ask = [{"role": "user", "content": "The weather, please. [after-tool]"}]
+    opened = replay.messages.create(model=replay.model_name, max_tokens=64, messages=ask)
+    prefill = 'Here it is: "'
+    reply = replay.messages.create(model=replay.model_name, max_tokens=64,
+                                   messages=ask + [{"role": "assistant", "content": prefill}])
+    # the prompt is the open answer plus the prefill, not a closed assistant turn and a new one
+    assert replay_engine.prompts[-1] == replay_engine.prompts[-2] + prefill
+    assert reply.content[0].text == REPLIES["[after-tool]"]  # only the new text, as Anthropic answers
+    def prompt_tokens(usage):
+        return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+    assert prompt_tokens(reply.usage) > prompt_tokens(opened.usage)
+    counted = replay.messages.count_tokens(model=replay.model_name, messages=ask + [
+        {"role": "assistant", "content": prefill}])
+    assert counted.input_tokens == prompt_tokens(reply.usage)
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        replay.messages.create(model=replay.model_name, max_tokens=8,
+                               messages=ask + [{"role": "assistant", "content": prefill + " "}])
+    empty = replay.messages.create(model=replay.model_name, max_tokens=64,
+                                   messages=ask + [{"role": "assistant", "content": ""}])
+    assert replay_engine.prompts[-1] == replay_engine.prompts[-3] and empty.content[0].text == opened.content[0].text

@@ -89,3 +89,20 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(server):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
                                                                            "maximum": 1}}})
     assert refused.value.body["param"] == "response_format" and "minimum greater than maximum" in str(refused.value)
+
+
+def test_a_tool_without_parameters_is_called_with_an_object(server):
+    # OpenAI takes a function without parameters as one called with no arguments; before, the forced
+    # call's grammar let the model write any JSON there, and the parser dropped the non-object: a 422.
+    client = server.client()
+    for i, ping in enumerate(({"name": "ping"}, {"name": "ping", "parameters": None})):
+        answer = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Ping the server."}], max_tokens=60,
+            temperature=0.7, seed=i, tools=[{"type": "function", "function": ping}], parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "ping"}})
+        call = answer.choices[0].message.tool_calls[0]
+        assert call.function.name == "ping" and isinstance(json.loads(call.function.arguments), dict)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=server.model, messages=ASK, max_tokens=4, tools=[
+            {"type": "function", "function": {"name": "ping", "parameters": {"type": "array"}}}])
+    assert refused.value.body["param"] == "tools[0].function.parameters.type"
