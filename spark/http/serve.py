@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -33,7 +35,9 @@ def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> Hyperc
     hc = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
-    hc.accesslog = "-" if access_log else None
+    # A logger of our own: from a "-" target hypercorn would make one at its loglevel (WARNING, below),
+    # which drops every access line (they are INFO).
+    hc.accesslog = _access_logger() if access_log else None
     hc.errorlog = "-"
     hc.loglevel = "WARNING"  # hypercorn's own "Running on" line would repeat ours
     hc.startup_timeout = STARTUP_TIMEOUT_S
@@ -42,6 +46,16 @@ def hypercorn_config(config: ServeConfig, *, access_log: bool = False) -> Hyperc
     # kernel drops their handshakes, which come back a second later or as connection resets.
     hc.backlog = LISTEN_BACKLOG
     return hc
+
+
+def _access_logger() -> logging.Logger:
+    """One line a request on stdout, as hypercorn formats its access log."""
+    logger = logging.getLogger("spark.access")
+    logger.handlers = [logging.StreamHandler(sys.stdout)]
+    logger.handlers[0].setFormatter(logging.Formatter("%(asctime)s %(message)s", "[%Y-%m-%d %H:%M:%S %z]"))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger
 
 
 async def serve_async(config: ServeConfig, *, engine: LoadedEngine | None = None, access_log: bool = False,
