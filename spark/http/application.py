@@ -272,16 +272,17 @@ async def _authenticate(state: SparkState) -> None:
     if not keys or not (request.path.startswith("/v1/") or request.path in KEYED_OUTSIDE_V1):
         return
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if request.path.startswith(anthropic.PREFIX) and request.headers.get("x-api-key", "").strip():
-        scheme, token = "bearer", request.headers["x-api-key"]  # Anthropic's clients send their key so
+    # Anthropic's clients send their key as x-api-key, to /v1/messages and to /v1/models alike: it is
+    # taken on every path, and under /v1/messages over an Authorization header.
+    if request.headers.get("x-api-key", "").strip() and (request.path.startswith(anthropic.PREFIX) or not token.strip()):
+        scheme, token = "bearer", request.headers["x-api-key"]
     ring = keyring(tuple(keys))
     # A refusal here is answered before the body is read: _Connection closes the connection when that
     # body has not arrived yet, and keeps it when it came with the headers (a flood of bad keys then
     # costs no reconnects).
     if scheme.lower() != "bearer" or not token.strip():
         await state.refusals.pace(state.config.refusals_per_s)
-        raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>`"
-                       + (" or `x-api-key: <key>`" if request.path.startswith(anthropic.PREFIX) else ""),
+        raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
                        code="invalid_api_key")
     token = token.strip()
     if token not in ring:

@@ -251,3 +251,14 @@ def test_a_final_assistant_message_is_a_prefill_the_reply_continues(replay, repl
     empty = replay.messages.create(model=replay.model_name, max_tokens=64,
                                    messages=ask + [{"role": "assistant", "content": ""}])
     assert replay_engine.prompts[-1] == replay_engine.prompts[-3] and empty.content[0].text == opened.content[0].text
+
+
+def test_an_x_api_key_opens_the_model_list_too(server):
+    # Anthropic's clients send x-api-key to /v1/models as to /v1/messages (it was a 401 there)
+    import httpx
+
+    with httpx.Client(base_url=server.url) as http:
+        assert http.get("/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+        assert http.get("/v1/models", headers={"x-api-key": "sk-wrong"}).status_code == 401
+        missing = http.get("/v1/models")
+        assert missing.status_code == 401 and "x-api-key" in missing.json()["error"]["message"]
