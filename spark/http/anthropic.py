@@ -104,7 +104,6 @@ class CountTokensRequest:
     tool_choice: ToolChoiceBody | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    max_tokens: int | None = None  # Spark's: the room compaction keeps for the answer, as in the real call
 
 
 @attrs.frozen(kw_only=True)
@@ -231,8 +230,10 @@ def turn_kwargs(req: CountTokensRequest) -> dict:
 @generates(bp, PREFIX + "/count_tokens", logged=False)  # names a model, generates nothing
 async def count_tokens(serving: Serving):
     req = await request_body(CountTokensRequest)
-    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **await spine.off_loop(turn_kwargs, req))
-    return spine.answer({"input_tokens": len(turn.prompt.prompt_ids)}, stage)
+    # The prompt as rendered, not compacted: a client counts to learn whether it must shorten the
+    # conversation itself, and counting generates nothing, so no length is refused here.
+    turn = await spine.render_turn(serving, **await spine.off_loop(turn_kwargs, req))
+    return {"input_tokens": len(turn.prompt.prompt_ids)}
 
 
 @generates(bp, PREFIX)

@@ -31,7 +31,7 @@ from spark.http.fanin import FanIn, Generations
 from spark.http.formatting import SSE_HEADERS
 from spark.http.params import Job, Limits
 from spark.http.schemas import read_json, structure_body
-from spark.http.turn import PreparedTurn, chat_format
+from spark.http.turn import PreparedTurn, chat_format, prepare_turn
 
 T = TypeVar("T")
 COMPACTION_HEADER = "X-Spark-Compaction"
@@ -105,6 +105,15 @@ async def fit_turn(serving: Serving, messages: Sequence[dict], *, max_tokens: in
     reserve = answer_reserve(limits.max_model_len, max_tokens, limits.default_max_tokens)
     render = functools.partial(prepare_fitting_turn, model.tokenizer, chat_format(model.config, model.tokenizer),
                                messages, max_model_len=limits.max_model_len, reserve=reserve, **turn_kwargs)
+    return await trio.to_thread.run_sync(render)
+
+
+async def render_turn(serving: Serving, messages: Sequence[dict], **turn_kwargs) -> PreparedTurn:
+    """``prepare_turn`` off the event loop, as sent: never compacted, whatever its length (what a count
+    of the prompt measures, and what a request that refuses compaction is served or refused as)."""
+    model = serving.model
+    render = functools.partial(prepare_turn, model.tokenizer, chat_format(model.config, model.tokenizer), messages,
+                               **turn_kwargs)
     return await trio.to_thread.run_sync(render)
 
 
