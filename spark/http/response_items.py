@@ -41,6 +41,7 @@ class ResponsesRequest:
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}} (spark.http.structured)
     user: str | None = None
+    truncation: str | None = None  # auto | disabled; None: auto (Spark compacts what outgrows the context)
     speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
     tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
 
