@@ -148,13 +148,19 @@ class TextOffsets:
 
 def completion_logprobs(logprobs: Sequence[TokenLogprob], offsets: TextOffsets, end: int | None = None) -> dict:
     """The legacy ``logprobs`` object of generated tokens, their ``text_offset`` taken from ``offsets``
-    (``TextOffsets.take``)."""
+    (``TextOffsets.take``); each position's ``top_logprobs`` holds the token sampled there, as OpenAI's."""
     return {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in logprobs],
+        "top_logprobs": [_with_sampled(lp) for lp in logprobs],
         "text_offset": offsets.take([lp.token for lp in logprobs], end),
     }
+
+
+def _with_sampled(lp: TokenLogprob) -> dict[str, float]:
+    """A position's alternatives and the token sampled there (the logprobs + 1 entries OpenAI gives at most):
+    sampling at a temperature often picks a token outside the top ones."""
+    return {**{t: p for _, t, p in lp.top}, lp.token: lp.logprob}
 
 
 def echoed_logprobs(prompt_tokens: Sequence[str], prompt_text: str, scored: Sequence[TokenLogprob] | None = None,

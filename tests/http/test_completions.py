@@ -116,3 +116,13 @@ def test_text_offsets_count_characters_of_non_ascii_text(server):
     assert [at for c in chunks if c.logprobs for at in c.logprobs.text_offset] == lp.text_offset
     assert "".join(c.text for c in chunks) == text
 
+
+def test_sampled_tokens_are_among_their_top_logprobs(server):
+    """As OpenAI's: each position's top_logprobs holds the token sampled there (logprobs + 1 entries at most)."""
+    kw = dict(prompt="Once upon a time", max_tokens=16, temperature=1.5, logprobs=1, seed=7,
+              extra_body={"ignore_eos": True})
+    whole = _complete(server, **kw).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in _complete(server, stream=True, **kw) if c.choices]
+    for lp in [whole] + [lp for lp in streamed if lp is not None]:
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == logprob and 1 <= len(top) <= 2
