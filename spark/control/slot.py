@@ -383,11 +383,8 @@ class Slot:
         return cards
 
     def model_card(self, name: str, created: int) -> dict | None:
-        """The card of ``name`` (``sparky``: the active model's), or None when there is none."""
-        if name in RESERVED_NAMES:
-            if self.state != "active":
-                return None
-            name = self.active.served_name
+        """The card of ``name`` as ``/v1/models`` lists it, or None when there is none. An alias's card has
+        its own id and says ``alias_of`` (as OpenAI and gateways answer: the id asked for)."""
         return next((card for card in self.model_cards(created) if card["id"] == name), None)
 
     # -- reporting --------------------------------------------------------------------------------

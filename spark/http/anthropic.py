@@ -20,6 +20,7 @@ import attrs
 from quart import Blueprint, Response, g, request
 
 from spark.actors.ingress import OVERLOADED
+from spark.actors.messages import RequestOutput
 from spark.http import breakpoints, spine
 from spark.http.breakpoints import CacheControl
 from spark.http.chat_prompt import chat_format
@@ -29,7 +30,7 @@ from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job, stop_strings
 from spark.http.spine import Serving, request_body
 from spark.http.turn import (EFFORT_BUDGETS, ContentDelta, ReasoningDelta, RefusalDelta, ToolCallDelta, ToolChoice,
-                             TurnDone, TurnParser, collect_turn, prepare_turn, turn_events)
+                             TurnDone, TurnParser, Usage, collect_turn, prepare_turn, turn_steps)
 from spark.parsers.citations import extract_citations
 
 bp = Blueprint("anthropic", __name__)
@@ -104,7 +105,6 @@ class CountTokensRequest:
     tool_choice: ToolChoiceBody | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    max_tokens: int | None = None  # Spark's: the room compaction keeps for the answer, as in the real call
 
 
 @attrs.frozen(kw_only=True)
@@ -249,8 +249,10 @@ def _prefilled(messages: list[dict]) -> bool:
 @generates(bp, PREFIX + "/count_tokens", logged=False)  # names a model, generates nothing
 async def count_tokens(serving: Serving):
     req = await request_body(CountTokensRequest)
-    turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **await spine.off_loop(turn_kwargs, req))
-    return spine.answer({"input_tokens": len(turn.prompt.prompt_ids)}, stage)
+    # The prompt as rendered, not compacted: a client counts to learn whether it must shorten the
+    # conversation itself, and counting generates nothing, so no length is refused here.
+    turn = await spine.render_turn(serving, **await spine.off_loop(turn_kwargs, req))
+    return {"input_tokens": len(turn.prompt.prompt_ids)}
 
 
 @generates(bp, PREFIX)
@@ -395,25 +397,36 @@ def message_usage(prompt_tokens: int, used, breakpoint_tokens: int = 0) -> dict:
             "cache_creation_input_tokens": written, "output_tokens": used.completion_tokens}
 
 
+def _message_start(head: dict, prompt_tokens: int, first: RequestOutput | None, breakpoint_tokens: int) -> bytes:
+    """``message_start`` (and a ping), its usage split as the last one's will be: ``first``, the generation's
+    first piece (None: it failed before one), knows the prompt tokens its prefill found cached."""
+    cached = first.num_cached_tokens if first is not None else 0
+    usage = message_usage(prompt_tokens, Usage(prompt_tokens, 0, cached), breakpoint_tokens)
+    return sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                             "usage": usage}}) + sse("ping", {})
+
+
 async def _stream(head: dict, prompt_tokens: int, fanin: FanIn, parser: TurnParser, breakpoint_tokens: int):
-    usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-    yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                            "usage": usage}}) + sse("ping", {})
+    """The Messages stream; ``message_start`` goes out with the first piece, which brings the prefix-cache hit."""
     blocks = BlockStream(citations=parser.citations)
+    started = False
     try:
-        async with aclosing(turn_events(fanin, parser)) as events:
-            async for event in events:  # the SSE events of one turn event go out in one write
-                if not isinstance(event, TurnDone):
-                    chunks = blocks.feed(event)
-                    if chunks:
-                        yield b"".join(chunks)
-                    continue
-                if event.error is not None:
-                    yield sse("error", anthropic_error(event.error.status, event.error.message))
-                    return
-                yield b"".join(blocks.close()) + sse("message_delta", {
-                    "delta": stop_fields(event), "usage": message_usage(prompt_tokens, event.usage, breakpoint_tokens)}) \
-                    + sse("message_stop", {})
+        async with aclosing(turn_steps(fanin, [parser])) as steps:
+            async for _, piece, events in steps:  # the SSE events of one piece go out in one write
+                out = [] if started else [_message_start(head, prompt_tokens, piece, breakpoint_tokens)]
+                started = True
+                for event in events:
+                    if not isinstance(event, TurnDone):
+                        out += blocks.feed(event)
+                    elif event.error is not None:
+                        yield b"".join(out) + sse("error", anthropic_error(event.error.status, event.error.message))
+                        return
+                    else:
+                        usage = message_usage(prompt_tokens, event.usage, breakpoint_tokens)
+                        out += blocks.close() + [sse("message_delta", {"delta": stop_fields(event), "usage": usage}),
+                                                 sse("message_stop", {})]
+                if out:
+                    yield b"".join(out)
     except Exception as exc:  # the server failed mid-stream: say so rather than cut the stream
         log.exception("message %s failed", head["id"])
         yield sse("error", anthropic_error(500, f"internal error: {type(exc).__name__}: {exc}"))

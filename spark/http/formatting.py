@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -122,32 +123,55 @@ def chat_choice(index: int, message: dict, finish_reason: str | None,
 # -- legacy completions ---------------------------------------------------------------
 
 
-def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict:
-    """The legacy ``logprobs`` object; ``text_offset`` is where the first token starts in the output."""
-    offsets = []
-    for lp in logprobs:
-        offsets.append(text_offset)
-        text_offset += len(lp.token)
+class TextOffsets:
+    """The legacy ``text_offset`` of tokens, one after another: the character of the returned text where
+    each token's text begins.
+
+    A token's text is bytes (``token_bytes``), and a byte-level token may hold part of a character
+    (half an emoji): its offset is that of the character it starts or continues. (The lengths of the
+    escaped token strings, ``\\xf0\\x9f``, overcounted every character of more than one byte.)
+    """
+
+    def __init__(self, start: int = 0):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # as the text itself is decoded
+        self._at = start  # the characters completed so far
+
+    def take(self, tokens: Sequence[str], end: int | None = None) -> list[int]:
+        """The offsets of ``tokens``, which follow those taken before; none past ``end`` (the text's length:
+        a stop string cut the text short, or special tokens were left out of it), when given."""
+        offsets = []
+        for token in tokens:
+            offsets.append(self._at if end is None else min(self._at, end))
+            self._at += len(self._decoder.decode(bytes(token_bytes(token))))
+        return offsets
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], offsets: TextOffsets, end: int | None = None) -> dict:
+    """The legacy ``logprobs`` object of generated tokens, their ``text_offset`` taken from ``offsets``
+    (``TextOffsets.take``); each position's ``top_logprobs`` holds the token sampled there, as OpenAI's."""
     return {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in logprobs],
-        "text_offset": offsets,
+        "top_logprobs": [_with_sampled(lp) for lp in logprobs],
+        "text_offset": offsets.take([lp.token for lp in logprobs], end),
     }
 
 
-def echoed_logprobs(prompt_tokens: Sequence[str], scored: Sequence[TokenLogprob] | None = None,
+def _with_sampled(lp: TokenLogprob) -> dict[str, float]:
+    """A position's alternatives and the token sampled there (the logprobs + 1 entries OpenAI gives at most):
+    sampling at a temperature often picks a token outside the top ones."""
+    return {**{t: p for _, t, p in lp.top}, lp.token: lp.logprob}
+
+
+def echoed_logprobs(prompt_tokens: Sequence[str], prompt_text: str, scored: Sequence[TokenLogprob] | None = None,
                     logprobs: dict | None = None) -> dict:
     """The legacy ``logprobs`` object of an echoed prompt's tokens, followed by ``logprobs`` (the generated
-    tokens', from ``completion_logprobs`` with ``text_offset`` past the prompt) when given.
+    tokens', from ``completion_logprobs`` with offsets past ``prompt_text``) when given.
 
     The first prompt token's logprob is null (nothing comes before it, as OpenAI's); the others' are
     ``scored`` (the engine's prompt logprobs: the prompt's tokens after the first), null when not given.
     """
-    offsets, at = [], 0
-    for token in prompt_tokens:
-        offsets.append(at)
-        at += len(token)
+    offsets = TextOffsets().take(prompt_tokens, len(prompt_text))
     k = len(prompt_tokens)
     if scored is None:
         token_logprobs, top = [None] * k, [None] * k

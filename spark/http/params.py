@@ -297,11 +297,16 @@ def tbt_target(tbt_ms: float | None) -> float | None:
 def single_job(request_id: str, prompt: Sequence[int], params: SamplingParams, limits: Limits, *, stream: bool,
                stop: tuple[str, ...] = (), api_key: str | None, pins: tuple[PrefixPin, ...] = (),
                grammar: GrammarSpec | None = None, speculative: bool | None = None,
-               tbt_ms: float | None = None) -> Job:
+               tbt_ms: float | None = None, param: str = "messages") -> Job:
     """The one generation of a request that has no choices (Anthropic Messages, Responses); ``pins``:
     prefixes of it the next turn will extend (``GenerateRequest.pins``); ``speculative``, ``tbt_ms``:
-    Spark's own request fields, as ``build_job`` takes them."""
-    request = GenerateRequest(request_id, tuple(prompt), room_left(params, prompt, limits), stop=stop, api_key=api_key,
+    Spark's own request fields, as ``build_job`` takes them; ``param``: the field a prompt too long is blamed on.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded`` when the prompt leaves no room to generate.
+    """
+    request = GenerateRequest(request_id, tuple(prompt), room_left(params, prompt, limits, param=param),
+                              stop=stop, api_key=api_key,
                               pins=pins, grammar=grammar, speculative=speculative is not False,
                               tbt_s=tbt_target(tbt_ms))
     return Job((request,), len(prompt), stream, include_usage=False)

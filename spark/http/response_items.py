@@ -41,6 +41,7 @@ class ResponsesRequest:
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}} (spark.http.structured)
     user: str | None = None
+    truncation: str | None = None  # auto | disabled; None: auto (Spark compacts what outgrows the context)
     speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
     tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
 
@@ -302,7 +303,10 @@ class OutputBuilder:
 
 
 def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)},
+    """The Responses usage object. ``cache_write_tokens`` (required by the SDK's types) is 0: Spark's prefix
+    cache keeps every prompt's full pages without a write a client asks for or pays for."""
+    details = {"cached_tokens": min(cached_tokens, prompt_tokens), "cache_write_tokens": 0}
+    return {"input_tokens": prompt_tokens, "input_tokens_details": details,
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 

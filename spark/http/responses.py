@@ -107,18 +107,19 @@ async def create_response(serving: Serving):
     if not items and not history:
         raise ApiError(400, "input must hold at least one item", param="input")
     enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
+    truncation = _truncation(req.truncation)
     turn, stage = await spine.fit_turn(
         serving, chat_messages(req.instructions, history + items), max_tokens=req.max_output_tokens,
-        tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
+        compact=truncation == "auto", tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget,
         output_schema=output_schema((req.text or {}).get("format"), param="text.format"))
     rid, prompt = new_id("resp"), turn.prompt.prompt_ids
     # what the next turn extends (previous_response_id, the conversation) stays cached a while
     pins = (PrefixPin(rid, serving.model.config.prefix_pin_ttl_s),) if req.store is not False or conversation_id else ()
     job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key,
-                     pins=pins, grammar=turn.grammar, speculative=req.speculative, tbt_ms=req.tbt_ms)
+                     pins=pins, grammar=turn.grammar, speculative=req.speculative, tbt_ms=req.tbt_ms, param="input")
     fanin = await spine.submit(serving, job)
-    head = _response_head(rid, req, serving.model.served_name, conversation_id, stage)
+    head = _response_head(rid, req, serving.model.served_name, conversation_id, stage, truncation)
     tokenizer = serving.model.tokenizer
     count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text)))
     run = _Run(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store,
@@ -156,6 +157,14 @@ async def _history(req: ResponsesRequest, owner: str, store: AsyncStore | None) 
     return [], None
 
 
+def _truncation(truncation: str | None) -> str:
+    """``auto`` (compact what outgrows the context) or ``disabled`` (refuse it: 400 context_length_exceeded).
+    Omitted, it is ``auto``, not OpenAI's ``disabled``: compaction is what Spark serves every API by default."""
+    if truncation not in (None, "auto", "disabled"):
+        raise ApiError(400, f"truncation must be auto or disabled, got {truncation!r}", param="truncation")
+    return truncation or "auto"
+
+
 def _tool_choice(choice: str | dict | None) -> ToolChoice:
     if choice is None:
         return ToolChoice("auto")
@@ -168,7 +177,7 @@ def _tool_choice(choice: str | dict | None) -> ToolChoice:
 
 
 def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id: str | None,
-                   stage: str | None) -> dict:
+                   stage: str | None, truncation: str) -> dict:
     """The response object as it is while generating (status in_progress, no output yet)."""
     head = {"id": rid, "object": "response", "created_at": round(time.time(), 3), "status": "in_progress",
             "model": model, "output": [], "error": None, "incomplete_details": None, "usage": None,
@@ -178,7 +187,8 @@ def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id:
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
             "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "background": False, "user": req.user}
+            "text": req.text or {"format": {"type": "text"}}, "truncation": truncation, "background": False,
+            "user": req.user}
     return spine.with_stage(head, stage)
 
 

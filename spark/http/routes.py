@@ -120,9 +120,12 @@ async def completions(serving: Serving):
     if job.stream:
         return spine.sse(_completion_events(head, job, fanin, echo, scores_only(req)))
     texts, logprobs, reasons, completion_tokens, cached, scored = await _collect(job, fanin, scores_only(req))
-    choices = [fmt.completion_choice(i, texts[i], reasons[i],
-                                     None if logprobs[i] is None else fmt.completion_logprobs(logprobs[i]))
-               for i in range(len(texts))]
+    choices = []
+    for i, text in enumerate(texts):
+        before = echo[i].text if echo is not None else ""  # the generated tokens' offsets start past the echo
+        lp = None if logprobs[i] is None else fmt.completion_logprobs(
+            logprobs[i], fmt.TextOffsets(len(before)), len(before) + len(text))
+        choices.append(fmt.completion_choice(i, text, reasons[i], lp))
     if echo is not None:
         choices = [_echoed(choice, echo[i], scored[i]) for i, choice in enumerate(choices)]
     return {**head, "object": "text_completion", "choices": choices,
@@ -134,8 +137,7 @@ def _echoed(choice: dict, echo: Echo, scored: tuple[TokenLogprob, ...] | None) -
     its logprobs)."""
     logprobs = choice["logprobs"]
     if logprobs is not None:
-        logprobs = fmt.echoed_logprobs(echo.tokens, scored, {**logprobs, "text_offset": [
-            len(echo.text) + at for at in logprobs["text_offset"]]})
+        logprobs = fmt.echoed_logprobs(echo.tokens, echo.text, scored, logprobs)
     return {**choice, "text": echo.text + choice["text"], "logprobs": logprobs}
 
 
@@ -272,7 +274,8 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo
     with ``echo``, a first chunk per choice holds its prompt (once its first piece brings the prompt's
     logprobs, when scored); ``only_scores``: the generated token is left out (``scores_only``)."""
     head = {**head, "object": "text_completion"} | ({"usage": None} if job.include_usage else {})
-    offsets = [0] * len(job.requests)  # text_offset of each choice's next token
+    offsets = [fmt.TextOffsets() for _ in job.requests]  # text_offset of each choice's tokens
+    sent = [0] * len(job.requests)  # the characters of each choice's text sent so far
     text_chunks = [fmt.sse_template({**head, "choices": [fmt.completion_choice(i, fmt.SLOT, None, None)]})
                    for i in range(len(job.requests))]
     completion_tokens, ended, cached = 0, 0, 0
@@ -281,7 +284,8 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo
     try:
         if echo is not None:
             for i, prompt in enumerate(echo):
-                offsets[i] = len(prompt.text)
+                offsets[i] = fmt.TextOffsets(len(prompt.text))
+                sent[i] = len(prompt.text)
                 if job.requests[i].params.prompt_logprobs is not None:
                     unscored.add(i)
                 else:
@@ -294,13 +298,16 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo
                 if i in unscored:
                     unscored.discard(i)
                     out.append(fmt.sse({**head, "choices": [fmt.completion_choice(
-                        i, echo[i].text, None, fmt.echoed_logprobs(echo[i].tokens, piece.prompt_logprobs))]}))
+                        i, echo[i].text, None, fmt.echoed_logprobs(echo[i].tokens, echo[i].text,
+                                                                   piece.prompt_logprobs))]}))
                 if only_scores:
                     piece = _unsampled(piece)
                 so_far = _usage_so_far(job, piece)
+                sent[i] += len(piece.text)
                 if job.requests[i].params.logprobs is not None:
-                    logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i])
-                    offsets[i] += sum(len(lp.token) for lp in piece.logprobs)
+                    # held text (a stop string's start) is sent later: only the end bounds the offsets
+                    end = sent[i] if piece.finish_reason is not None else None
+                    logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i], end)
                     if piece.text or piece.logprobs:
                         out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, piece.text, None,
                                                                                        logprobs)], **so_far}))

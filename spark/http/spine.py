@@ -31,7 +31,7 @@ from spark.http.fanin import FanIn, Generations
 from spark.http.formatting import SSE_HEADERS
 from spark.http.params import Job, Limits
 from spark.http.schemas import read_json, structure_body
-from spark.http.turn import PreparedTurn, chat_format
+from spark.http.turn import PreparedTurn, chat_format, prepare_turn
 
 T = TypeVar("T")
 COMPACTION_HEADER = "X-Spark-Compaction"
@@ -90,21 +90,34 @@ def not_ready() -> ApiError:
                     retry_after=1)
 
 
-async def fit_turn(serving: Serving, messages: Sequence[dict], *, max_tokens: int | None,
+async def fit_turn(serving: Serving, messages: Sequence[dict], *, max_tokens: int | None, compact: bool = True,
                    **turn_kwargs) -> tuple[PreparedTurn, str | None]:
     """``prepare_turn`` off the event loop, compacted (``spark.http.compaction``) to leave the answer room.
 
     Args:
       max_tokens: what the request asks for (None: the server's default); the room kept is capped.
+      compact: False renders the messages as sent (``render_turn``): a prompt that leaves no room
+        is then refused when its job is built (``params.room_left``).
       turn_kwargs: tools, tool choice and thinking, as ``prepare_turn`` takes them.
 
     Returns:
       ``(turn, stage)``: stage is None, or the compaction stage applied.
     """
+    if not compact:
+        return await render_turn(serving, messages, **turn_kwargs), None
     model, limits = serving.model, serving.limits
     reserve = answer_reserve(limits.max_model_len, max_tokens, limits.default_max_tokens)
     render = functools.partial(prepare_fitting_turn, model.tokenizer, chat_format(model.config, model.tokenizer),
                                messages, max_model_len=limits.max_model_len, reserve=reserve, **turn_kwargs)
+    return await trio.to_thread.run_sync(render)
+
+
+async def render_turn(serving: Serving, messages: Sequence[dict], **turn_kwargs) -> PreparedTurn:
+    """``prepare_turn`` off the event loop, as sent: never compacted, whatever its length (what a count
+    of the prompt measures, and what a request that refuses compaction is served or refused as)."""
+    model = serving.model
+    render = functools.partial(prepare_turn, model.tokenizer, chat_format(model.config, model.tokenizer), messages,
+                               **turn_kwargs)
     return await trio.to_thread.run_sync(render)
 
 

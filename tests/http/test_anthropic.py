@@ -8,8 +8,8 @@ import json
 import anthropic
 import pytest
 
-from tests.http.conftest import API_KEY, MAX_BODY_BYTES
-from tests.http.replay import ReplayEngine, qwen_like_tokenizer, replay_server
+from tests.http.conftest import API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN
+from tests.http.replay import ReplayEngine, qwen_like_tokenizer, replay_server, smollm_tokenizer
 
 GREEDY = {"temperature": 0, "top_k": 1, "top_p": 1.0}  # the newest SDKs take these through extra_body only
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -107,6 +107,18 @@ def test_count_tokens_equals_input_tokens(real, server):
     counted = real.messages.count_tokens(model=server.model, messages=messages, system=system)
     m = real.messages.create(model=server.model, max_tokens=2, messages=messages, system=system)
     assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 10
+
+
+def test_count_tokens_counts_a_prompt_too_long_to_answer_as_rendered(real, server):
+    """count_tokens generates nothing: it counts the prompt as sent, never compacted, never refused for its length."""
+    words = "word " * 150
+    turns = [{"role": r, "content": words} for _ in range(3) for r in ("user", "assistant")]
+    single = [{"role": "user", "content": words * 4}]
+    for messages in (turns + [{"role": "user", "content": "Hi"}], single):
+        raw = real.messages.with_raw_response.count_tokens(model=server.model, messages=messages)
+        rendered = smollm_tokenizer().encode_chat(messages, add_generation_prompt=True)
+        assert raw.parse().input_tokens == len(rendered) > MAX_MODEL_LEN
+        assert "X-Spark-Compaction" not in raw.headers and "spark_compaction" not in raw.parse().model_extra
 
 
 def test_errors_have_anthropic_shape(server):

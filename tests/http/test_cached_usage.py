@@ -79,6 +79,23 @@ def test_anthropic_cache_control_writes_then_reads_its_breakpoint(server):
                 {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}])
 
 
+def test_anthropic_stream_starts_with_the_input_split_it_ends_with(server):
+    """message_start's usage splits the input as message_delta's does: clients (LangChain) take it from the start."""
+    system = [{"type": "text", "text": "Desk E, pilots. " + SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    fields = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    splits = []
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0) as client:
+        for question in ("Is a pilot needed in the inner harbour?", "Is a pilot needed at night?"):
+            events = list(client.messages.create(model=server.model, system=system, max_tokens=2, stream=True,
+                                                 messages=[{"role": "user", "content": question}]))
+            start = events[0].message.usage
+            end = [e.usage for e in events if e.type == "message_delta"][-1]
+            splits.append([getattr(start, f) for f in fields])
+            assert splits[-1] == [getattr(end, f) for f in fields]
+    (_, read, written), (_, read_again, _) = splits
+    assert read == 0 and written >= 16 and read_again >= 16  # the breakpoint written, then read
+
+
 def test_a_stored_response_pins_what_its_next_turn_extends_until_deleted(server):
     client = server.client()
     desk = "Desk D, berths. " + SYSTEM  # (instructions do not carry over to the next turn: sent again)

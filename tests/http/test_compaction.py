@@ -217,15 +217,14 @@ def test_anthropic_messages_compact_tool_results(server):
         raw = client.messages.with_raw_response.create(model=server.model, max_tokens=8, messages=messages,
                                                        tools=tools, extra_body={"temperature": 0})
         m = raw.parse()
-        counted = client.messages.count_tokens(model=server.model, messages=messages, tools=tools,
-                                               extra_body={"max_tokens": 8})
+        counted = client.messages.count_tokens(model=server.model, messages=messages, tools=tools)
         with pytest.raises(anthropic.BadRequestError) as info:
             client.messages.create(model=server.model, max_tokens=8,
                                    messages=[{"role": "user", "content": _words(1100, "x")}])
     assert raw.headers["X-Spark-Compaction"] in ("truncate_tool_results", "tool_result_pointers")
     assert m.model_extra["spark_compaction"] == raw.headers["X-Spark-Compaction"]
     prompt_tokens = m.usage.input_tokens + m.usage.cache_read_input_tokens
-    assert prompt_tokens + 8 <= MAX_MODEL_LEN and prompt_tokens == counted.input_tokens
+    assert prompt_tokens + 8 <= MAX_MODEL_LEN < counted.input_tokens  # counted as sent, before compaction
     assert info.value.body["type"] == "error" and "even after compaction" in info.value.body["error"]["message"]
 
 
@@ -241,3 +240,25 @@ def test_responses_trim_the_system_prompt(server):
     final = events[-1]["response"]
     assert final["spark_compaction"] == "keep_last_messages" and final["status"] in ("completed", "incomplete")
     assert final["usage"]["input_tokens"] + 8 <= MAX_MODEL_LEN
+
+
+def test_responses_truncation_disabled_refuses_what_auto_compacts(server):
+    import openai
+
+    client = server.client()
+    turns = _long_turns()[1:]  # as input items, the system prompt as instructions
+    body = dict(model=server.model, instructions="You are a helpful assistant.", input=turns, max_output_tokens=8,
+                store=False, temperature=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**body, truncation="disabled")
+    error = info.value.body
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+    assert error["type"] == "invalid_request_error"
+    for asked in ("auto", openai.omit):  # Spark's default is its documented compaction
+        raw = client.responses.with_raw_response.create(**body, truncation=asked)
+        assert raw.headers["X-Spark-Compaction"] == "drop_oldest_turns"
+        assert raw.parse().truncation == "auto" and raw.parse().status in ("completed", "incomplete")
+    fits = client.responses.with_raw_response.create(**{**body, "input": turns[-1:]}, truncation="disabled")
+    assert fits.parse().truncation == "disabled" and "X-Spark-Compaction" not in fits.headers
+    with pytest.raises(openai.BadRequestError, match="truncation"):
+        client.responses.create(**body, truncation="middle")

@@ -95,3 +95,34 @@ def test_default_max_tokens_is_capped_to_the_context_left(server):
     prompt = [1] * (MAX_MODEL_LEN - 4)
     r = _complete(server, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+
+
+NON_ASCII = "Café 😀 naïve — 東京"  # 17 characters, several of them more than one token
+
+
+def test_text_offsets_count_characters_of_non_ascii_text(server):
+    """text_offset[i]: the character of the returned text where token i begins (a token holding part of a
+    character: that character's), from the echoed prompt on into the generated text, streamed or not."""
+    kw = dict(prompt=NON_ASCII, max_tokens=6, temperature=0, echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    r = _complete(server, **kw)
+    text, lp, n = r.choices[0].text, r.choices[0].logprobs, r.usage.prompt_tokens
+    assert any("\\x" in token for token in lp.tokens[:n])  # bytes of a character, not whole characters
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(NON_ASCII)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    for token, at in zip(lp.tokens, lp.text_offset):
+        if "\\x" not in token:
+            assert text[at:at + len(token)] == token
+    chunks = [c.choices[0] for c in _complete(server, stream=True, **kw) if c.choices]
+    assert [at for c in chunks if c.logprobs for at in c.logprobs.text_offset] == lp.text_offset
+    assert "".join(c.text for c in chunks) == text
+
+
+def test_sampled_tokens_are_among_their_top_logprobs(server):
+    """As OpenAI's: each position's top_logprobs holds the token sampled there (logprobs + 1 entries at most)."""
+    kw = dict(prompt="Once upon a time", max_tokens=16, temperature=1.5, logprobs=1, seed=7,
+              extra_body={"ignore_eos": True})
+    whole = _complete(server, **kw).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in _complete(server, stream=True, **kw) if c.choices]
+    for lp in [whole] + [lp for lp in streamed if lp is not None]:
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == logprob and 1 <= len(top) <= 2

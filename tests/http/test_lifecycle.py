@@ -38,7 +38,8 @@ def test_health_models_metrics(server):
     # the active model, and its reserved names (issue 25: sparky-think, sparky-fast)
     assert [m.id for m in models] == [server.model, "sparky", "sparky-think", "sparky-fast"]
     assert models[0].owned_by == "spark" and models[0].model_extra["max_model_len"] > 0
-    assert server.client().models.retrieve("sparky").id == server.model
+    sparky = server.client().models.retrieve("sparky")  # as listed: its own id, and the model it means
+    assert sparky.id == "sparky" and sparky.model_extra["alias_of"] == server.model and sparky == models[1]
     # Served without a recipe, the embedded model samples as its bundled recipe says (issue 19.1).
     assert models[0].model_extra["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
 

@@ -86,7 +86,10 @@ def test_logprob_shapes():
     lps = [TokenLogprob(5, "He", -0.1, ((5, "He", -0.1), (6, "\\xe2", -2.0))), TokenLogprob(7, "llo", -0.5, ())]
     chat = fmt.chat_logprobs(lps)["content"]
     assert chat[0]["bytes"] == [72, 101] and chat[0]["top_logprobs"][1]["bytes"] == [0xE2]
-    legacy = fmt.completion_logprobs(lps, text_offset=3)
+    legacy = fmt.completion_logprobs(lps, fmt.TextOffsets(3))
     assert legacy == {"tokens": ["He", "llo"], "token_logprobs": [-0.1, -0.5],
-                      "top_logprobs": [{"He": -0.1, "\\xe2": -2.0}, {}], "text_offset": [3, 5]}
+                      "top_logprobs": [{"He": -0.1, "\\xe2": -2.0}, {"llo": -0.5}], "text_offset": [3, 5]}
+    offsets = fmt.TextOffsets()  # "a😀b ST|OP": the emoji's two byte tokens at its character, a text cut at 4
+    emoji = offsets.take(["a", "\\xf0\\x9f", "\\x98\\x80"])
+    assert emoji + offsets.take(["b", " ST", "OP"], end=4) == [0, 1, 1, 2, 3, 4]
     assert fmt.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()

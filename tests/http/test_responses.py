@@ -12,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from spark.state import Store, owner_of
 from tests.http.replay import replay_server
@@ -167,6 +169,35 @@ def test_reasoning_output_item(client):
         final = stream.get_final_response()
     assert "response.reasoning_text.delta" in kinds and [o.type for o in final.output] == ["reasoning", "message"]
     assert final.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens_details.reasoning_tokens
+
+
+# Every stream event class of the installed SDK, by its ``type``: validated one by one, an error names its class.
+STREAM_EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+                 for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+SHAPES = [{"input": "Hi [hello]", "instructions": "Be kind.", "metadata": {"k": "v"}},
+          {"input": "Pick [think]", "reasoning": {"effort": "low"}},
+          {"input": "Weather? [call]", "tools": [WEATHER], "tool_choice": "auto"},
+          {"input": "Go [long]", "max_output_tokens": 4, "truncation": "disabled"}]  # incomplete
+
+
+@pytest.mark.parametrize("body", SHAPES, ids=["text", "reasoning", "call", "incomplete"])
+def test_bodies_and_events_are_the_sdks_types_strictly(server, engine, body):
+    body = {"model": "replay", **body}
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http:
+        whole = http.post("/v1/responses", json=body).json()
+        assert whole["status"] == ("incomplete" if "max_output_tokens" in body else "completed")
+        Response.model_validate(whole, strict=True)
+        Response.model_validate(http.get(f"/v1/responses/{whole['id']}").json(), strict=True)
+    for event in _raw_stream(server, body):
+        STREAM_EVENTS[event["type"]].model_validate(event, strict=True)
+    engine.fail_if = lambda plan: True
+    try:
+        failed = _raw_stream(server, body)
+    finally:
+        engine.fail_if = None
+    assert failed[-1]["type"] == "response.failed"
+    for event in failed:
+        STREAM_EVENTS[event["type"]].model_validate(event, strict=True)
 
 
 def test_conversation_of_three_turns(client, engine):
