@@ -363,6 +363,8 @@ class Slot:
             state, reason = self.recipe_state(recipe)
             for name in recipe.names:
                 card = {"id": name, "object": "model", "created": created, "owned_by": "spark",
+                        # Anthropic's ModelInfo beside OpenAI's fields: either SDK reads the same card
+                        "type": "model", "display_name": recipe.display_name, "created_at": _rfc3339(created),
                         "recipe": recipe.id, "state": state, "engine": recipe.engine}
                 if name != recipe.served_name:
                     card["alias_of"] = recipe.served_name
@@ -418,3 +420,7 @@ class Slot:
     def _event(self, kind: str, recipe_id: str | None, detail: str) -> None:
         self.events.append({"time": time.time(), "event": kind, "recipe": recipe_id, "detail": detail})
         log.info("slot: %s %s: %s", kind, recipe_id, detail)
+
+
+def _rfc3339(unix_seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_seconds))

@@ -64,7 +64,10 @@ def _slot() -> Slot:
 @bp.get("/v1/models")
 async def list_models():
     """Every registered model name (served names and aliases) with its state: active, loading, available..."""
-    return {"object": "list", "data": _slot().model_cards(_state().started_at)}
+    cards = _slot().model_cards(_state().started_at)
+    # Anthropic's list fields beside OpenAI's (one page: every model)
+    return {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"] if cards else None,
+            "last_id": cards[-1]["id"] if cards else None}
 
 
 @bp.get("/v1/models/<path:name>")

@@ -274,3 +274,11 @@ def test_an_x_api_key_opens_the_model_list_too(server):
         assert http.get("/v1/models", headers={"x-api-key": "sk-wrong"}).status_code == 401
         missing = http.get("/v1/models")
         assert missing.status_code == 401 and "x-api-key" in missing.json()["error"]["message"]
+
+
+def test_the_model_list_reads_as_anthropics_too(real, server):
+    listed = real.models.list()
+    assert listed.data and all(m.type == "model" and m.display_name and m.created_at for m in listed.data)
+    assert listed.first_id == listed.data[0].id and listed.last_id == listed.data[-1].id and not listed.has_more
+    one = real.models.retrieve(server.model)
+    assert one.id == server.model and one.display_name and one.created_at.year >= 2026
