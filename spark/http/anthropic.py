@@ -259,8 +259,10 @@ async def count_tokens(serving: Serving):
 async def create_message(serving: Serving):
     req = await request_body(MessagesRequest)
     given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k")}
+    if req.temperature is not None and not 0 <= req.temperature <= 1:  # Anthropic's range (OpenAI's is 0 to 2)
+        raise ApiError(400, f"temperature must be between 0 and 1, got {req.temperature}", param="temperature")
     params = sampling_params(serving.limits, given, max_tokens=req.max_tokens)
-    stops = stop_strings(req.stop_sequences)
+    stops = stop_strings(req.stop_sequences, param="stop_sequences")
     marked, ttls = await spine.off_loop(breakpoints.mark, req)
     turn, stage = await spine.fit_turn(serving, max_tokens=req.max_tokens, **await spine.off_loop(turn_kwargs, req))
     prompt, mid = turn.prompt.prompt_ids, f"msg_{secrets.token_hex(12)}"

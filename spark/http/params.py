@@ -104,12 +104,12 @@ def room_left(params: SamplingParams, prompt: Sequence[int], limits: Limits, *,
     return params if params.max_tokens <= room else attrs.evolve(params, max_tokens=room)
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+def stop_strings(stop: str | list[str] | None, *, param: str = "stop") -> tuple[str, ...]:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(stops) > MAX_STOP:
-        raise ApiError(400, f"stop holds {len(stops)} strings, at most {MAX_STOP} are allowed", param="stop")
+        raise ApiError(400, f"{param} holds {len(stops)} strings, at most {MAX_STOP} are allowed", param=param)
     if any(not s for s in stops):
-        raise ApiError(400, "stop strings must not be empty", param="stop")
+        raise ApiError(400, f"{param} must not hold an empty string", param=param)
     return stops
 
 

@@ -282,3 +282,12 @@ def test_the_model_list_reads_as_anthropics_too(real, server):
     assert listed.first_id == listed.data[0].id and listed.last_id == listed.data[-1].id and not listed.has_more
     one = real.models.retrieve(server.model)
     assert one.id == server.model and one.display_name and one.created_at.year >= 2026
+
+
+def test_anthropics_ranges_and_field_names_in_errors(real, server):
+    ask = dict(model=server.model, max_tokens=4, messages=HELLO)
+    with pytest.raises(anthropic.BadRequestError) as hot:
+        real.messages.create(**ask, extra_body={"temperature": 1.5})  # fine for OpenAI, not for Anthropic
+    assert hot.value.body["error"]["type"] == "invalid_request_error" and "between 0 and 1" in str(hot.value)
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences must not hold an empty string"):
+        real.messages.create(**ask, stop_sequences=["", "x"])
