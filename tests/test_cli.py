@@ -86,3 +86,14 @@ def test_generate_prints_the_text_as_it_comes(capsys):
 
     assert streamed == json.loads(capsys.readouterr().out)["text"] + "\n"
     assert len(calls) == 12  # each token printed as it came
+
+
+def _spark(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spark.cli", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_refuses_a_zero_batch_at_once():
+    # It loaded the model and then hung, /health never answering; now one line, as --scheduler-depth 0 gives.
+    out = _spark("serve", "--max-batch-size", "0", "--port", "0")
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and "max_batch_size" in out.stderr and ">= 1" in out.stderr, out.stderr
