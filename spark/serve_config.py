@@ -48,7 +48,8 @@ class ServeConfig:
     model: str = "default"  # "default", a .gguf path, an HF directory, or "dummy:<preset>"
     served_name: str | None = None  # the model name clients use; the file's stem by default
     host: str = "127.0.0.1"
-    port: int = 8000
+    # 0: a free one. Checked here: socket.bind raises OverflowError (no OSError) outside 0-65535.
+    port: int = attrs.field(default=8000, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
     device: str | None = None  # "cpu" | "cuda"; the GPU when there is one
     # The engine in its own process ("on"), in a thread of the server ("off"), or on
     # when the device is a GPU ("auto"): there the HTTP side's Python would stall it.

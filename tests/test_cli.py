@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import attrs
+import pytest
 
 from spark.cli import _state_paths, build_parser
 from spark.serve_config import ServeConfig
@@ -97,3 +98,12 @@ def test_serve_refuses_a_zero_batch_at_once():
     out = _spark("serve", "--max-batch-size", "0", "--port", "0")
     assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
     assert out.stderr.count("\n") == 1 and "max_batch_size" in out.stderr and ">= 1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("port, problem", [("99999", "<= 65535"), ("-1", ">= 0")])
+def test_serve_refuses_a_port_out_of_range(port, problem, capsys):
+    from spark.cli import main
+
+    assert main(["serve", "--port", port]) == 2  # socket.bind's OverflowError was a traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'port'" in err and problem in err, err
