@@ -11,11 +11,13 @@ import json
 import logging
 import sys
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser, handlers = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from spark.engine.errors import ModelLoadError
 
     try:
@@ -44,7 +46,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
     parser.add_argument("--version", action="version", version=f"spark {_version()}")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    # Choices, so that a bad level is argparse's one line and exit 2 (logging.basicConfig raised a traceback).
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="how much to log (default WARNING; any case)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print it")

@@ -107,3 +107,14 @@ def test_serve_refuses_a_port_out_of_range(port, problem, capsys):
     assert main(["serve", "--port", port]) == 2  # socket.bind's OverflowError was a traceback
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'port'" in err and problem in err, err
+
+
+def test_a_bad_log_level_is_one_usage_line(capsys):
+    from spark.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--log-level", "bogus", "generate", "hi"])  # logging.basicConfig's ValueError was a traceback
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --log-level: invalid choice: 'BOGUS'" in err, err
+    parser, _ = build_parser()
+    assert parser.parse_args(["--log-level", "info", "chat"]).log_level == "INFO"
