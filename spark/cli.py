@@ -184,6 +184,8 @@ def _generate(args) -> int:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
         prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+    if not prompt_ids:  # the engine would fail every step on it, with a traceback per step
+        raise ValueError("the prompt is empty (it encodes to no tokens): give some text to complete")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
     if args.json:
         outputs = generate(engine, [prompt_ids], params)[0]

@@ -118,3 +118,10 @@ def test_a_bad_log_level_is_one_usage_line(capsys):
     assert exit_.value.code == 2 and "argument --log-level: invalid choice: 'BOGUS'" in err, err
     parser, _ = build_parser()
     assert parser.parse_args(["--log-level", "info", "chat"]).log_level == "INFO"
+
+
+def test_generate_refuses_an_empty_prompt_before_the_engine_runs():
+    # Two "engine step failed" tracebacks, then a RuntimeError's, exit 1; now one line and exit 2.
+    out = _spark("generate", "--max-tokens", "4", "--device", "cpu", "")
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
+    assert out.stderr == "spark: the prompt is empty (it encodes to no tokens): give some text to complete\n", out.stderr
