@@ -337,7 +337,19 @@ def _claim(recipe: Recipe, owners: dict[str, Recipe], shown: str) -> list[Proble
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
+    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently) and aliases.
+
+    A recipe has no use for ``*alias``, and an alias makes the document a graph: ``&a [*a]`` is a cycle
+    (a RecursionError walking it), nested aliases a billion nodes (a walk that never ends).
+    """
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None, None, f"YAML aliases (*{event.anchor}) are not allowed in recipes: write the value out",
+                event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         keys = set()
@@ -365,7 +377,7 @@ def _parse_yaml(text: str) -> tuple[object, dict[str, int]]:
 
 def _yaml_problem(shown: str, exc: yaml.YAMLError) -> Problem:
     mark, what = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or str(exc)
-    if isinstance(exc, yaml.constructor.ConstructorError):  # ours: a duplicate key
+    if isinstance(exc, yaml.constructor.ConstructorError):  # ours: a duplicate key, an alias
         return Problem(shown, "$", what, mark.line + 1 if mark else None)
     context, where = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if context and where is not None:
