@@ -101,6 +101,16 @@ def _run(fn) -> int:
     except CommandError as exc:
         print(f"spark: {exc}", file=sys.stderr)
         return exc.status
+    except OSError as exc:  # a directory or file that cannot be made or written (scaffold, roi's tag)
+        print(f"spark: {os_error_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def os_error_line(exc: OSError) -> str:
+    """``path: what the OS said``, e.g. ``/proc/x: No such file or directory``."""
+    if exc.filename is None:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror or exc}"
 
 
 # -- talking to the server -------------------------------------------------------------------------

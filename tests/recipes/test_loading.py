@@ -144,3 +144,9 @@ def test_anchors_without_aliases_keep_their_lines(tmp_path):
         "id: anchored\nserved_name: anchored\nengine: spark\nmodel: dummy:tiny-llama\ncontext: &c\n  default: 8k\n")
     problems = [str(p) for p in load_recipes(tmp_path).problems]
     assert problems == [f"{tmp_path / 'anchored.yaml'}: $.context.default: expected an int, got str '8k' (line 6)"]
+
+
+def test_scaffold_into_a_directory_that_cannot_be_made_is_one_line(capsys):
+    # mkdir's FileNotFoundError was a traceback: _run caught only CommandError.
+    assert main(["recipe", "scaffold", "--recipes", "/proc/no-such-dir", "Qwen/Qwen3-8B", "spark"]) == 1
+    assert capsys.readouterr().err == "spark: /proc/no-such-dir: No such file or directory\n"
