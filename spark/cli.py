@@ -224,6 +224,7 @@ def _serve(args) -> int:
 
     if follows_torchrun(config.world_size, config.device):  # a rank > 0 of torchrun's: no server, it follows rank 0
         return 0
+    _make_state_dirs(config)
     serve(config, access_log=args.access_log)
     return 0
 
@@ -251,6 +252,25 @@ def _state_paths(state_dir: str | None, port: int | None) -> dict:
         paths = {}
     return {**paths, "activity_log_path": os.environ.get("SPARK_ACTIVITY_LOG_PATH") or str(base / "activity.jsonl"),
             "usage_path": os.environ.get("SPARK_USAGE_PATH") or str(base / "usage.json")}
+
+
+def _make_state_dirs(config) -> None:
+    """Make the directories of the server's state files now: one that cannot be made (``--state-dir /proc/x``)
+    is then one line before the model loads, not a traceback from the app's start-up after it.
+
+    Raises:
+        ValueError: a directory cannot be made, naming it and the OS's reason.
+    """
+    import pathlib
+
+    for path in (config.activity_log_path, config.usage_path, config.state_path):
+        if not path or path == ":memory:":
+            continue
+        directory = pathlib.Path(path).expanduser().parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot make the state directory {directory}: {exc.strerror or exc}") from None
 
 
 def _chat(args) -> int:

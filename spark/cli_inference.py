@@ -102,11 +102,11 @@ def _run(fn) -> int:
         print(f"spark: {exc}", file=sys.stderr)
         return exc.status
     except OSError as exc:  # a directory or file that cannot be made or written (scaffold, roi's tag)
-        print(f"spark: {os_error_line(exc)}", file=sys.stderr)
+        print(f"spark: {_os_error_line(exc)}", file=sys.stderr)
         return 1
 
 
-def os_error_line(exc: OSError) -> str:
+def _os_error_line(exc: OSError) -> str:
     """``path: what the OS said``, e.g. ``/proc/x: No such file or directory``."""
     if exc.filename is None:
         return str(exc)

@@ -125,3 +125,13 @@ def test_generate_refuses_an_empty_prompt_before_the_engine_runs():
     out = _spark("generate", "--max-tokens", "4", "--device", "cpu", "")
     assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
     assert out.stderr == "spark: the prompt is empty (it encodes to no tokens): give some text to complete\n", out.stderr
+
+
+def test_serve_refuses_a_state_dir_it_cannot_make(capsys):
+    from spark.cli import main
+
+    # It loaded the model, then the app's start-up raised FileNotFoundError (a traceback).
+    assert main(["serve", "--state-dir", "/proc/no-such-dir", "--port", "0", "--model", "dummy:tiny-llama",
+                 "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == "spark: cannot make the state directory /proc/no-such-dir: " \
+                                      "No such file or directory\n"
