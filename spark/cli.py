@@ -276,8 +276,7 @@ def _make_state_dirs(config) -> None:
 def _chat(args) -> int:
     from spark.chat import chat
 
-    chat(args.url, model=args.model, api_key=args.api_key)
-    return 0
+    return chat(args.url, model=args.model, api_key=args.api_key)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,12 @@ def test_serve_refuses_a_state_dir_it_cannot_make(capsys):
                  "--device", "cpu"]) == 2
     assert capsys.readouterr().err == "spark: cannot make the state directory /proc/no-such-dir: " \
                                       "No such file or directory\n"
+
+
+def test_chat_with_an_unreachable_server_fails_at_start():
+    # It printed "(error: ...)" after the first message, and exited 0 at the end of the input.
+    out = subprocess.run([sys.executable, "-m", "spark.cli", "chat", "--url", "http://127.0.0.1:1"], input="Hello!\n",
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.startswith("spark: cannot reach the server at http://127.0.0.1:1: ") and \
+           out.stderr.count("\n") == 1, out.stderr
