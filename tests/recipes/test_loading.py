@@ -132,7 +132,7 @@ def test_aliases_are_refused_at_their_line(malformed_dir, tmp_path):
     out = subprocess.run([sys.executable, "-m", "spark.cli", "recipe", "check", "--recipes", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, (out.stdout, out.stderr)
-    assert f"{tmp_path / 'laughs.yaml'}: $: YAML aliases (*l0) are not allowed in recipes: write the value out " \
+    assert f"{tmp_path / 'laughs.yaml'}: $: YAML aliases (*l0) are not allowed: write the value out " \
            "(line 6)" in out.stdout.splitlines()
     # `spark serve --recipes DIR --recipe ID` refuses it with the same line.
     with pytest.raises(ValueError, match=r"recursive-alias.yaml: \$: YAML aliases \(\*a\) are not allowed"):
