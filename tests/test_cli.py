@@ -89,8 +89,9 @@ def test_generate_prints_the_text_as_it_comes(capsys):
     assert len(calls) == 12  # each token printed as it came
 
 
-def _spark(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spark.cli", *argv], capture_output=True, text=True, timeout=timeout)
+def _spark(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spark.cli", *argv], input=stdin, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_serve_refuses_a_zero_batch_at_once():
@@ -139,8 +140,7 @@ def test_serve_refuses_a_state_dir_it_cannot_make(capsys):
 
 def test_chat_with_an_unreachable_server_fails_at_start():
     # It printed "(error: ...)" after the first message, and exited 0 at the end of the input.
-    out = subprocess.run([sys.executable, "-m", "spark.cli", "chat", "--url", "http://127.0.0.1:1"], input="Hello!\n",
-                         capture_output=True, text=True, timeout=60)
+    out = _spark("chat", "--url", "http://127.0.0.1:1", stdin="Hello!\n")
     assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
     assert out.stderr.startswith("spark: cannot reach the server at http://127.0.0.1:1: ") and \
            out.stderr.count("\n") == 1, out.stderr
