@@ -11,11 +11,13 @@ import json
 import logging
 import sys
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser, handlers = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from spark.engine.errors import ModelLoadError
 
     try:
@@ -44,7 +46,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     parser = argparse.ArgumentParser(prog="spark", description="Spark: an LLM server on trio")
     parser.add_argument("--version", action="version", version=f"spark {_version()}")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    # Choices, so that a bad level is argparse's one line and exit 2 (logging.basicConfig raised a traceback).
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="how much to log (default WARNING; any case)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print it")
@@ -180,6 +184,8 @@ def _generate(args) -> int:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
         prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+    if not prompt_ids:  # the engine would fail every step on it, with a traceback per step
+        raise ValueError("the prompt is empty (it encodes to no tokens): give some text to complete")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
     if args.json:
         outputs = generate(engine, [prompt_ids], params)[0]
@@ -218,6 +224,7 @@ def _serve(args) -> int:
 
     if follows_torchrun(config.world_size, config.device):  # a rank > 0 of torchrun's: no server, it follows rank 0
         return 0
+    _make_state_dirs(config)
     serve(config, access_log=args.access_log)
     return 0
 
@@ -247,11 +254,29 @@ def _state_paths(state_dir: str | None, port: int | None) -> dict:
             "usage_path": os.environ.get("SPARK_USAGE_PATH") or str(base / "usage.json")}
 
 
+def _make_state_dirs(config) -> None:
+    """Make the directories of the server's state files now: one that cannot be made (``--state-dir /proc/x``)
+    is then one line before the model loads, not a traceback from the app's start-up after it.
+
+    Raises:
+        ValueError: a directory cannot be made, naming it and the OS's reason.
+    """
+    import pathlib
+
+    for path in (config.activity_log_path, config.usage_path, config.state_path):
+        if not path or path == ":memory:":
+            continue
+        directory = pathlib.Path(path).expanduser().parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot make the state directory {directory}: {exc.strerror or exc}") from None
+
+
 def _chat(args) -> int:
     from spark.chat import chat
 
-    chat(args.url, model=args.model, api_key=args.api_key)
-    return 0
+    return chat(args.url, model=args.model, api_key=args.api_key)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def add_commands(sub) -> dict:
     check.add_argument("--recipes", default=None, help="the recipes directory (default: the project's recipes/)")
     check.add_argument("--config-dir", default=None, help="host-local config: the enabled list, ROI prices and "
                                                           "tags (default: $SPARK_CONFIG_DIR or ~/.config/spark)")
-    roi = rsub.add_parser("roi", help="each recipe's ROI profile and cloud cost; with two ids, tag a recipe")
+    roi = rsub.add_parser("roi", help="each recipe's ROI profile and cloud cost (exit 1 on any problem); with two "
+                                      "ids, tag a recipe")
     roi.add_argument("ids", nargs="*", metavar="RECIPE_ID ROI_PROFILE", help="tag this recipe with this profile")
     roi.add_argument("--recipes", default=None, help="the recipes directory (default: the project's recipes/)")
     roi.add_argument("--config-dir", default=None, help="host-local ROI prices and tags (default: "
@@ -101,6 +102,16 @@ def _run(fn) -> int:
     except CommandError as exc:
         print(f"spark: {exc}", file=sys.stderr)
         return exc.status
+    except OSError as exc:  # a directory or file that cannot be made or written (scaffold, roi's tag)
+        print(f"spark: {_os_error_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _os_error_line(exc: OSError) -> str:
+    """``path: what the OS said``, e.g. ``/proc/x: No such file or directory``."""
+    if exc.filename is None:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror or exc}"
 
 
 # -- talking to the server -------------------------------------------------------------------------
@@ -404,4 +415,4 @@ def _roi(args) -> int:
                      _cloud_cost(cost).rsplit(" (", 1)[0] if cost else "-"])
     print(f"ROI profiles of {catalog.directory / PROFILES_FILE if catalog.directory else PROFILES_FILE}:")
     print(_table(rows, ["RECIPE", "ROI PROFILE", "CLOUD MODEL", "USD/MTOK IN / OUT", "CLOUD COST 24H / ALL"]))
-    return 0
+    return 1 if catalog.problems else 0  # as `recipe check`: a script must not read a partial table as whole

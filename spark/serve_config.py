@@ -27,89 +27,105 @@ REASONING_PARSER_CHOICES = ("auto", "none", *parsers.REASONING_PARSERS)
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 
 
+def _at_least(least: float, *, default):
+    """A number field that refuses values below ``least``; where the default is None, None stays allowed.
+
+    A count or size out of range must fail at start with one line naming it: 0 sequences or prompt tokens
+    per step left the server loading forever without a word.
+    """
+    check = attrs.validators.ge(least)
+    return attrs.field(default=default, validator=attrs.validators.optional(check) if default is None else check)
+
+
+def _above(bound: float, *, default):
+    """A number field that refuses values at or below ``bound`` (None stays allowed where it is the default)."""
+    check = attrs.validators.gt(bound)
+    return attrs.field(default=default, validator=attrs.validators.optional(check) if default is None else check)
+
+
 @attrs.frozen
 class ServeConfig:
     model: str = "default"  # "default", a .gguf path, an HF directory, or "dummy:<preset>"
     served_name: str | None = None  # the model name clients use; the file's stem by default
     host: str = "127.0.0.1"
-    port: int = 8000
+    # 0: a free one. Checked here: socket.bind raises OverflowError (no OSError) outside 0-65535.
+    port: int = attrs.field(default=8000, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
     device: str | None = None  # "cpu" | "cuda"; the GPU when there is one
     # The engine in its own process ("on"), in a thread of the server ("off"), or on
     # when the device is a GPU ("auto"): there the HTTP side's Python would stall it.
     engine_process: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     # torch's intra-op threads of an engine on the CPU; None: one fewer than this process may use (at
     # least 1). The event loop needs a core: OpenMP threads spinning on every core made steps 24x slower.
-    cpu_threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    cpu_threads: int | None = _at_least(1, default=None)
     # The weights' format on the CPU: "int4" (the default there), "int8" or "dense" (float32; batch-
     # invariant: a prompt samples the same alone or in a batch); None: the engine's default.
     weight_format: str | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.in_(("dense", "int4", "int8"))))
-    max_batch_size: int = 64  # running sequences at most
-    max_prefill_tokens: int = 512  # prompt tokens per engine step at most (longer prompts are chunked)
+    max_batch_size: int = _at_least(1, default=64)  # running sequences at most
+    # Prompt tokens per engine step at most (longer prompts are chunked).
+    max_prefill_tokens: int = _at_least(1, default=512)
     scheduler: str = attrs.field(default="slai", validator=attrs.validators.in_(SCHEDULER_POLICIES))
-    tbt_deadline_ms: float = 200.0  # SLAI: time-between-tokens target of a running stream (a request's tbt_ms wins)
+    # SLAI: time-between-tokens target of a running stream (a request's tbt_ms wins).
+    tbt_deadline_ms: float = _above(0, default=200.0)
     # Refuse (429; Anthropic 529) a request whose first token is predicted to come later than this, with a
     # Retry-After from the prediction (spark/actors/admission.py); None: queue every request.
-    ttft_bound_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
+    ttft_bound_s: float | None = _above(0, default=None)
     # Engine steps launched ahead of their results; None: 2 (the host prepares step N+1 while the
     # device runs N). Each more costs an ended sequence one more wasted row.
-    scheduler_depth: int | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.ge(1)))
+    scheduler_depth: int | None = _at_least(1, default=None)
     # Diagnostics: log each turn of the core loop slower than this (where its time went, the steps it
     # collected, garbage collections and CUDA allocator retries meanwhile); None: off.
-    slow_turn_ms: float | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.gt(0)))
+    slow_turn_ms: float | None = _above(0, default=None)
     # Diagnostics: append one JSON line per engine step to this file (its shape, the context it read, the
     # policy's prediction and budget, its seconds: what fits a step-time model); None: off.
     step_trace: str | None = None
-    max_waiting: int = 128  # requests queued before new ones get 503 + Retry-After
+    max_waiting: int = _at_least(0, default=128)  # requests queued before new ones get 503 + Retry-After
     # Full prompt pages are cached and reused by later prompts that start with the same tokens.
     prefix_caching: bool = True
     # On a GPU, every step shape the server will plan runs once before it says ready (spark/engine/warmup.py).
     warm_up: bool = True
     # A stored Response's prefix (and an Anthropic cache_control breakpoint's without a ttl) stays
     # cached this long; pinned pages never exceed this share of the KV cache.
-    prefix_pin_ttl_s: float = 300.0
-    prefix_pin_share: float = 0.5
+    prefix_pin_ttl_s: float = _at_least(0, default=300.0)
+    prefix_pin_share: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0), attrs.validators.le(1)])
     # Speculative decoding: "ngram" drafts by prompt lookup (a decode verifies up to spec_tokens drafted
     # tokens in one forward); None: off. Greedy output and a seed's samples are unchanged by it.
     speculative: str | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.in_(SPECULATIVE_METHODS)))
-    spec_tokens: int = attrs.field(default=4, validator=attrs.validators.ge(1))  # drafted tokens per step at most
-    spec_ngram: int = attrs.field(default=4, validator=attrs.validators.ge(1))  # longest suffix looked up
+    spec_tokens: int = _at_least(1, default=4)  # drafted tokens per step at most
+    spec_ngram: int = _at_least(1, default=4)  # longest suffix looked up
     # Off while more sequences than this decode: the step is then compute-bound, and the drafts' extra
     # positions cost about what they give.
-    spec_max_batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))
-    page_size: int = 16
+    spec_max_batch: int = _at_least(1, default=8)
+    page_size: int = _at_least(1, default=16)
     # Tensor parallelism: the model split over this many ranks (GPUs; CPU processes over gloo), one engine
     # process each, rank 0 scheduling for all (spark/engine/ranks.py). Torchrun may start the ranks instead.
     world_size: int = attrs.field(default=1, validator=lambda _, __, value: _check_world_size(value))
-    kv_cache_bytes: int | None = None  # KV cache budget; from free memory by default
+    kv_cache_bytes: int | None = _at_least(1, default=None)  # KV cache budget; from free memory by default
     # The KV cache's dtype: "auto" (the model's) or "fp8" (e4m3 with per-head scales: twice the tokens
     # in the same bytes, half the bytes a decode step reads; spark/engine/kv_cache.py).
     kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPE_CHOICES))
-    max_model_len: int | None = None  # context length; the model's by default
+    max_model_len: int | None = _at_least(1, default=None)  # context length; the model's by default
     api_keys: tuple[str, ...] = ()  # when set, every /v1 request needs one as a Bearer token
-    rate_limit_rps: float = 0.0  # per API key; 0 = unlimited
-    rate_limit_tpm: float = 0.0  # tokens (prompt + max new) per minute per key; 0 = unlimited
-    rate_limit_max_keys: int = 10_000  # keys tracked at most; the idlest are forgotten first
+    rate_limit_rps: float = _at_least(0, default=0.0)  # per API key; 0 = unlimited
+    rate_limit_tpm: float = _at_least(0, default=0.0)  # tokens (prompt + max new) per minute per key; 0 = unlimited
+    rate_limit_max_keys: int = _at_least(1, default=10_000)  # keys tracked at most; the idlest are forgotten first
     # 401s (a missing or unknown key) answered per second at most, across the server; the rest wait
     # their turn, so a flood of bad keys cannot crowd out the real ones. 0: unpaced.
-    refusals_per_s: float = attrs.field(default=200.0, validator=attrs.validators.ge(0))
-    max_body_bytes: int = 4 << 20  # larger request bodies get 413
-    default_max_tokens: int = 1024  # when a request names none (capped by the context left)
+    refusals_per_s: float = _at_least(0, default=200.0)
+    max_body_bytes: int = _at_least(1, default=4 << 20)  # larger request bodies get 413
+    default_max_tokens: int = _at_least(1, default=1024)  # when a request names none (capped by the context left)
     # The Responses API's stored responses and conversations (spark.state): a SQLite file; None:
     # $XDG_DATA_HOME/spark/state.sqlite3 (~/.local/share/spark/...), ":memory:": nothing survives a restart.
     state_path: str | None = None
-    state_max_age_s: float = 30 * 24 * 3600.0  # stored objects unused for longer are evicted
-    state_max_bytes: int = 1 << 30  # stored JSON at most; the oldest objects are evicted first
+    state_max_age_s: float = _above(0, default=30 * 24 * 3600.0)  # stored objects unused for longer are evicted
+    state_max_bytes: int = _at_least(1, default=1 << 30)  # stored JSON at most; the oldest objects are evicted first
     # Chat output parsing (spark.http.turn): "auto" (or None) detects the tool-call format from the
     # chat template; "auto" reasoning is on when the template or the vocabulary has <think>.
     tool_call_parser: str = attrs.field(default="auto", validator=attrs.validators.optional(
         attrs.validators.in_(TOOL_CALL_PARSER_CHOICES)))
     reasoning_parser: str = attrs.field(default="auto", validator=attrs.validators.in_(REASONING_PARSER_CHOICES))
-    max_thinking_budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.ge(0)))  # reasoning tokens per request at most; None: unlimited
+    max_thinking_budget: int | None = _at_least(0, default=None)  # reasoning tokens per request; None: unlimited
     disable_thinking: bool = False  # thinking off, whatever a request asks: a kill-switch
     # An answer that opens with a refusal goes to each API's refusal field (spark.parsers.refusal); the
     # patterns replace the built-in openings (SPARK_REFUSAL_PATTERNS: separated by "|").
@@ -121,10 +137,11 @@ class ServeConfig:
     recipes_dir: str | None = None  # the recipes directory; the project's recipes/ when only `recipe` is set
     recipe: str | None = None  # the recipe active at start; none loaded until named when unset
     switch_on_demand: bool = True  # a request naming another recipe switches to it (503 + Retry-After meanwhile)
-    switch_grace_s: float = 30.0  # how long in-flight requests may finish before a switch cuts them off
+    # How long in-flight requests may finish before a switch cuts them off.
+    switch_grace_s: float = _at_least(0, default=30.0)
     # On SIGTERM/SIGINT: no new requests, open streams get this long to finish, the rest end with an
     # error event saying the server is shutting down (a second signal ends them at once).
-    shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    shutdown_grace_s: float = _at_least(0, default=30.0)
     # Host-local control-plane settings (spark.recipes): inference-profiles.yaml (the enabled recipes),
     # inference-pricing.json and roi-recipe-tags.json (ROI); None: none (every non-draft recipe enabled).
     config_dir: str | None = None
@@ -133,8 +150,8 @@ class ServeConfig:
     # Faults on purpose, for tests and drills (spark.core.faults): "step=3,7;request=5" makes the 3rd
     # and 7th engine steps raise and every 5th request fail; "" (the default): none.
     faults: str = attrs.field(default="", validator=lambda _, __, value: Faults.parse(value))
-    activity_log_max_bytes: int = 50 << 20  # rotated by size...
-    activity_log_max_age_s: float = 7 * 24 * 3600.0  # ...and by age
+    activity_log_max_bytes: int = _at_least(1, default=50 << 20)  # rotated by size...
+    activity_log_max_age_s: float = _above(0, default=7 * 24 * 3600.0)  # ...and by age
     usage_path: str | None = None  # token counters per recipe, kept across restarts; None: in memory only
 
     def uses_engine_process(self) -> bool:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import attrs
+import pytest
 
 from spark.cli import _state_paths, build_parser
 from spark.serve_config import ServeConfig
@@ -86,3 +87,60 @@ def test_generate_prints_the_text_as_it_comes(capsys):
 
     assert streamed == json.loads(capsys.readouterr().out)["text"] + "\n"
     assert len(calls) == 12  # each token printed as it came
+
+
+def _spark(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spark.cli", *argv], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_serve_refuses_a_zero_batch_at_once():
+    # It loaded the model and then hung, /health never answering; now one line, as --scheduler-depth 0 gives.
+    out = _spark("serve", "--max-batch-size", "0", "--port", "0")
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and "max_batch_size" in out.stderr and ">= 1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("port, problem", [("99999", "<= 65535"), ("-1", ">= 0")])
+def test_serve_refuses_a_port_out_of_range(port, problem, capsys):
+    from spark.cli import main
+
+    assert main(["serve", "--port", port]) == 2  # socket.bind's OverflowError was a traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'port'" in err and problem in err, err
+
+
+def test_a_bad_log_level_is_one_usage_line(capsys):
+    from spark.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--log-level", "bogus", "generate", "hi"])  # logging.basicConfig's ValueError was a traceback
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --log-level: invalid choice: 'BOGUS'" in err, err
+    parser, _ = build_parser()
+    assert parser.parse_args(["--log-level", "info", "chat"]).log_level == "INFO"
+
+
+def test_generate_refuses_an_empty_prompt_before_the_engine_runs():
+    # Two "engine step failed" tracebacks, then a RuntimeError's, exit 1; now one line and exit 2.
+    out = _spark("generate", "--max-tokens", "4", "--device", "cpu", "")
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
+    assert out.stderr == "spark: the prompt is empty (it encodes to no tokens): give some text to complete\n", out.stderr
+
+
+def test_serve_refuses_a_state_dir_it_cannot_make(capsys):
+    from spark.cli import main
+
+    # It loaded the model, then the app's start-up raised FileNotFoundError (a traceback).
+    assert main(["serve", "--state-dir", "/proc/no-such-dir", "--port", "0", "--model", "dummy:tiny-llama",
+                 "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == "spark: cannot make the state directory /proc/no-such-dir: " \
+                                      "No such file or directory\n"
+
+
+def test_chat_with_an_unreachable_server_fails_at_start():
+    # It printed "(error: ...)" after the first message, and exited 0 at the end of the input.
+    out = _spark("chat", "--url", "http://127.0.0.1:1", stdin="Hello!\n")
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.startswith("spark: cannot reach the server at http://127.0.0.1:1: ") and \
+           out.stderr.count("\n") == 1, out.stderr

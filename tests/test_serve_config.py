@@ -84,3 +84,24 @@ def test_a_cpu_engine_loads_with_those_threads():
         engine.close()
     finally:
         torch.set_num_threads(before)
+
+
+# Each of these once started a server that hung without a word (0 sequences or prompt tokens per step) or
+# failed deep inside it; now it is one line at start naming the variable.
+@pytest.mark.parametrize("field, value", [
+    ("max_batch_size", "0"), ("max_batch_size", "-1"), ("max_prefill_tokens", "0"), ("max_model_len", "0"),
+    ("kv_cache_bytes", "-1"), ("page_size", "0"), ("max_waiting", "-1"), ("tbt_deadline_ms", "0"),
+    ("prefix_pin_ttl_s", "-1"), ("prefix_pin_share", "1.5"), ("default_max_tokens", "0"), ("max_body_bytes", "0"),
+    ("rate_limit_rps", "-1"), ("rate_limit_tpm", "-1"), ("rate_limit_max_keys", "0"), ("state_max_bytes", "0"),
+    ("state_max_age_s", "0"), ("switch_grace_s", "-1"), ("activity_log_max_bytes", "0"),
+    ("activity_log_max_age_s", "0"),
+])
+def test_an_out_of_range_number_names_its_variable(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServeConfig.from_env({f"SPARK_{field.upper()}": value})
+
+
+def test_the_range_checks_keep_the_defaults_and_unset_values():
+    assert ServeConfig.from_env({}) == ServeConfig()
+    config = ServeConfig.from_env({"SPARK_MAX_MODEL_LEN": "none", "SPARK_KV_CACHE_BYTES": "", "SPARK_MAX_WAITING": "0"})
+    assert (config.max_model_len, config.kv_cache_bytes, config.max_waiting) == (None, None, 0)

@@ -27,25 +27,13 @@ import yaml
 from spark.recipes.roi import PROFILES_FILE, RoiBook, load_roi
 from spark.recipes.schema import (KV_DTYPES, RESERVED_NAMES, SPARK_SPECULATIVE, Recipe, describe_errors,
                                   structure_recipe)
+from spark.recipes.yaml_lines import Problem, line_of, parse_yaml, yaml_problem
 
 DRAFTS = "drafts"
 ENABLED_FILE = "inference-profiles.yaml"  # in the host-local config directory
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,79}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 _ENV = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-
-
-@attrs.frozen
-class Problem:
-    """One thing wrong with one recipe file."""
-
-    file: str  # as given, relative to the working directory when it can be
-    path: str  # "$.context.default"; "$" for the whole file
-    message: str
-    line: int | None = None  # 1-based
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.path}: {self.message}" + (f" (line {self.line})" if self.line else "")
 
 
 @attrs.frozen
@@ -115,7 +103,7 @@ def load_recipes(directory: str | os.PathLike, *, config_dir: str | os.PathLike 
             problems.extend(found)
         else:
             recipes.append(recipe)
-    problems += [Problem(_shown(pathlib.Path(file)), where, message) for file, where, message in roi.problems]
+    problems += [attrs.evolve(p, file=_shown(pathlib.Path(p.file))) for p in roi.problems]
     enabled, found = _enabled_list(pathlib.Path(config_dir).expanduser() / ENABLED_FILE if config_dir else None,
                                    {r.id for r in recipes})
     return Catalog(tuple(recipes), tuple(problems + found), directory, len(files), enabled, roi)
@@ -127,9 +115,11 @@ def _enabled_list(path: pathlib.Path | None, known: set[str]) -> tuple[frozenset
         return None, []
     shown = _shown(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        return frozenset(), [Problem(shown, "$", f"cannot read the enabled list: {str(exc).splitlines()[0]}")]
+        raw, _ = parse_yaml(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        return frozenset(), [Problem(shown, "$", f"cannot read the enabled list: {exc}")]
+    except yaml.YAMLError as exc:
+        return frozenset(), [yaml_problem(shown, exc)]
     ids = raw.get("enabled") if isinstance(raw, dict) and set(raw) == {"enabled"} else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         return frozenset(), [Problem(shown, "$", "expected `enabled: [recipe id, ...]`")]
@@ -147,14 +137,14 @@ def read_recipe(path: str | os.PathLike, *, draft: bool = False) -> tuple[Recipe
     except (OSError, UnicodeDecodeError) as exc:
         return None, [Problem(shown, "$", f"cannot read: {exc}")]
     try:
-        raw, lines = _parse_yaml(text)
+        raw, lines = parse_yaml(text)
     except yaml.YAMLError as exc:
-        return None, [_yaml_problem(shown, exc)]
+        return None, [yaml_problem(shown, exc)]
     if raw is None:
         return None, [Problem(shown, "$", "the file is empty")]
     if not isinstance(raw, dict):
         return None, [Problem(shown, "$", f"expected a mapping of recipe fields, got {type(raw).__name__}", 1)]
-    found = [Problem(shown, p, m, _line(lines, p)) for p, m in _semantic_problems(raw, path.stem, draft)]
+    found = [Problem(shown, p, m, line_of(lines, p)) for p, m in _semantic_problems(raw, path.stem, draft)]
     recipe = None
     try:
         recipe = structure_recipe(raw)
@@ -333,76 +323,13 @@ def _claim(recipe: Recipe, owners: dict[str, Recipe], shown: str) -> list[Proble
     return out
 
 
-# -- YAML with line numbers ------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        keys = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in keys:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            keys.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _parse_yaml(text: str) -> tuple[object, dict[str, int]]:
-    """The document, and the 1-based line of every ``$.a.b[0]`` path in it."""
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    finally:
-        loader.dispose()
-    lines: dict[str, int] = {}
-    if node is not None:
-        _index_lines(node, "$", lines)
-    return data, lines
-
-
-def _yaml_problem(shown: str, exc: yaml.YAMLError) -> Problem:
-    mark, what = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or str(exc)
-    if isinstance(exc, yaml.constructor.ConstructorError):  # ours: a duplicate key
-        return Problem(shown, "$", what, mark.line + 1 if mark else None)
-    context, where = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and where is not None:
-        what = f"{what}, {context} that starts at line {where.line + 1}"
-    return Problem(shown, "$", f"YAML syntax error: {what}", mark.line + 1 if mark else None)
-
-
-def _index_lines(node, path: str, lines: dict[str, int]) -> None:
-    lines.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            child = f"{path}.{key.value}"
-            lines[child] = key.start_mark.line + 1
-            _index_lines(value, child, lines)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _index_lines(item, f"{path}[{i}]", lines)
-
-
 def _located(shown: str, lines: dict[str, int], path: str, message: str) -> list[Problem]:
     """The problem at the line it is on: an unknown field at its own line (its mapping's was shown),
     one problem per field."""
     if message.startswith("unknown field"):
         names = message.split(" ", 2)[2].split(", ")
-        return [Problem(shown, path, f"unknown field {name}", _line(lines, f"{path}.{name}")) for name in names]
-    return [Problem(shown, path, message, _line(lines, path))]
-
-
-def _line(lines: dict[str, int], path: str) -> int | None:
-    """The line of ``path``, or of its nearest ancestor that has one (a missing field: its section)."""
-    path = re.sub(r"\['([^']*)'\]", r".\1", path)  # cattrs writes dict keys as ['k']
-    while path:
-        if path in lines:
-            return lines[path]
-        cut = max(path.rfind("."), path.rfind("["))
-        path = path[:cut] if cut > 0 else ""
-    return None
+        return [Problem(shown, path, f"unknown field {name}", line_of(lines, f"{path}.{name}")) for name in names]
+    return [Problem(shown, path, message, line_of(lines, path))]
 
 
 def _shown(path: pathlib.Path | None) -> str:

@@ -28,6 +28,7 @@ import attrs
 import yaml
 
 from spark.recipes.schema import converter, describe_errors
+from spark.recipes.yaml_lines import Problem, line_of, parse_yaml, yaml_problem
 
 PROFILES_FILE = "roi-profiles.yaml"  # beside the recipes; never read as a recipe
 PRICES_FILE = "inference-pricing.json"
@@ -61,12 +62,12 @@ class Price:
 
 @attrs.frozen
 class RoiBook:
-    """The profiles, prices and tags of one server; ``problems`` are lines naming file and field."""
+    """The profiles, prices and tags of one server, and the problems of their files."""
 
     profiles: dict[str, RoiProfile] = attrs.Factory(dict)
     prices: dict[str, Price] = attrs.Factory(dict)
     tags: dict[str, str] = attrs.Factory(dict)  # recipe id -> profile id (host-local)
-    problems: tuple[tuple[str, str, str], ...] = ()  # (file, path in it, message)
+    problems: tuple[Problem, ...] = ()
     profiles_path: pathlib.Path | None = None  # where profiles are read (and ``roi-new`` writes)
 
     def profile_of(self, recipe) -> tuple[str | None, str | None]:
@@ -122,68 +123,88 @@ def load_roi(recipes_dir: str | os.PathLike | None, config_dir: str | os.PathLik
 
 
 def _profiles(path: pathlib.Path, problems: list) -> dict[str, RoiProfile]:
-    raw = _read(path, problems, yaml.safe_load)
+    text = _read(path, problems)
+    if text is None:
+        return {}
+    try:
+        raw, lines = parse_yaml(text)  # as a recipe is read: its problems say what and where alike
+    except yaml.YAMLError as exc:
+        problems.append(yaml_problem(str(path), exc))
+        return {}
     if raw is None:
         return {}
     if not isinstance(raw, dict) or set(raw) != {"profiles"} or not isinstance(raw["profiles"], dict):
-        problems.append((str(path), "$", "expected a mapping with one field, profiles: {id: {provider, model, ...}}"))
+        problems.append(Problem(str(path), "$", "expected a mapping with one field, profiles: {id: {provider, model, "
+                                                "...}}", 1))
         return {}
     out = {}
     for pid, fields in raw["profiles"].items():
         if not isinstance(pid, str) or not _ID.match(pid):
-            problems.append((str(path), "$.profiles", f"{pid!r} is not an id: lowercase letters, digits, '.', '_', '-'"))
+            problems.append(Problem(str(path), "$.profiles", f"{pid!r} is not an id: lowercase letters, digits, '.', "
+                                                             "'_', '-'", line_of(lines, f"$.profiles.{pid}")))
             continue
         try:
             out[pid] = converter.structure(fields, RoiProfile)
         except Exception as exc:  # noqa: BLE001 -- cattrs groups every problem into one exception
-            problems += [(str(path), p.replace("$", f"$.profiles.{pid}", 1), m) for p, m in describe_errors(exc)]
+            for where, message in describe_errors(exc):
+                where = where.replace("$", f"$.profiles.{pid}", 1)
+                problems.append(Problem(str(path), where, message, line_of(lines, where)))
     return out
 
 
 def _prices(path: pathlib.Path, profiles: dict, problems: list) -> dict[str, Price]:
-    raw = _read(path, problems, json.loads)
+    raw = _read_json(path, problems)
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        problems.append((str(path), "$", 'expected {"<roi profile>": {"in": usd_per_mtok, "out": usd_per_mtok}}'))
+        problems.append(Problem(str(path), "$", 'expected {"<roi profile>": {"in": usd_per_mtok, "out": '
+                                                'usd_per_mtok}}'))
         return {}
     out = {}
     for pid, fields in raw.items():
         where = f"$.{pid}"
         if pid not in profiles:
-            problems.append((str(path), where, f"no ROI profile {pid!r} in {PROFILES_FILE}"))
+            problems.append(Problem(str(path), where, f"no ROI profile {pid!r} in {PROFILES_FILE}"))
         elif not isinstance(fields, dict) or set(fields) - {"in", "out"} or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in fields.values()):
-            problems.append((str(path), where, 'expected {"in": usd_per_mtok, "out": usd_per_mtok}, numbers >= 0'))
+            problems.append(Problem(str(path), where, 'expected {"in": usd_per_mtok, "out": usd_per_mtok}, '
+                                                      'numbers >= 0'))
         else:
             out[pid] = Price(float(fields.get("in", 0.0)), float(fields.get("out", 0.0)))
     return out
 
 
 def _tags(path: pathlib.Path, profiles: dict, problems: list) -> dict[str, str]:
-    raw = _read(path, problems, json.loads)
+    raw = _read_json(path, problems)
     if raw is None:
         return {}
     if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
-        problems.append((str(path), "$", 'expected {"<recipe id>": "<roi profile>"}'))
+        problems.append(Problem(str(path), "$", 'expected {"<recipe id>": "<roi profile>"}'))
         return {}
     bad = [k for k, v in raw.items() if v not in profiles]
-    problems += [(str(path), f"$.{k}", f"no ROI profile {raw[k]!r} in {PROFILES_FILE}") for k in bad]
+    problems += [Problem(str(path), f"$.{k}", f"no ROI profile {raw[k]!r} in {PROFILES_FILE}") for k in bad]
     return {k: v for k, v in raw.items() if k not in bad}
 
 
-def _read(path: pathlib.Path, problems: list, parse):
+def _read(path: pathlib.Path, problems: list) -> str | None:
+    """The file's text; None when it is missing (each file is optional) or unreadable (a problem)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        problems.append((str(path), "$", f"cannot read: {exc}"))
+        problems.append(Problem(str(path), "$", f"cannot read: {exc}"))
+        return None
+
+
+def _read_json(path: pathlib.Path, problems: list):
+    text = _read(path, problems)
+    if text is None:
         return None
     try:
-        return parse(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        problems.append((str(path), "$", f"cannot parse: {str(exc).splitlines()[0]}"))
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        problems.append(Problem(str(path), "$", f"not JSON: {exc.msg}", exc.lineno))
         return None
 
 

@@ -66,6 +66,9 @@ MALFORMED: dict[str, tuple[str, list[str]]] = {
     "bool-number.yaml": (_ok("bool-number", "sampling:\n  temperature: yes\n"),
                          ["$.sampling.temperature: expected a number, got bool True"]),
     "duplicate-key.yaml": (_ok("duplicate-key", "id: again\n"), ["duplicate key 'id'", "(line 5)"]),
+    # A cycle: the line index recursed until RecursionError, in `recipe check` and `serve --recipes` alike.
+    "recursive-alias.yaml": (_ok("recursive-alias", "aliases: &a [*a]\n"),
+                             ["$: YAML aliases (*a) are not allowed: write the value out (line 5)"]),
     "draft-outside.yaml": (_ok("draft-outside", "lifecycle: draft\n"), ["a draft belongs in recipes/drafts/"]),
     "null-section.yaml": (_ok("null-section", "context:\n"), ["$.context: expected a mapping, got NoneType None"]),
     "space-name.yaml": (_ok("space-name", name="my model"), ["$.served_name: 'my model' is not a model name"]),

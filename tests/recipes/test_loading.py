@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from spark.cli import main
-from spark.recipes import implicit_recipe, load_recipes, project_recipes_dir, recipe_config, unavailable_reason
+from spark.recipes import catalog_for, implicit_recipe, load_recipes, project_recipes_dir, recipe_config, unavailable_reason
 from spark.recipes.scaffold import scaffold
 from spark.serve_config import TOOL_CALL_PARSER_CHOICES, ServeConfig
 from tests.recipes.malformed import MALFORMED, VALID, write_malformed
@@ -113,3 +113,40 @@ def test_a_recipe_turns_prefix_caching_off():
     off = attrs.evolve(recipe, scheduler=attrs.evolve(recipe.scheduler, prefix_caching=False))
     assert recipe_config(ServeConfig(), off).prefix_caching is False
     assert Scheduler(prefix_caching=False) != Scheduler()
+
+
+def _billion_laughs(recipe_id: str) -> str:
+    """A recipe whose aliases nest 9 levels of 10: a billion nodes from 14 lines."""
+    lines = [f"id: {recipe_id}", f"served_name: {recipe_id}", "engine: spark", "model: dummy:tiny-llama",
+             'l0: &l0 ["lol"]']
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    return "\n".join(lines + ["aliases: *l9", ""])
+
+
+def test_aliases_are_refused_at_their_line(malformed_dir, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "laughs.yaml").write_text(_billion_laughs("laughs"))
+    # `recipe check` walked the billion nodes until killed; now it names the first alias.
+    out = subprocess.run([sys.executable, "-m", "spark.cli", "recipe", "check", "--recipes", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert f"{tmp_path / 'laughs.yaml'}: $: YAML aliases (*l0) are not allowed: write the value out " \
+           "(line 6)" in out.stdout.splitlines()
+    # `spark serve --recipes DIR --recipe ID` refuses it with the same line.
+    with pytest.raises(ValueError, match=r"recursive-alias.yaml: \$: YAML aliases \(\*a\) are not allowed"):
+        catalog_for(ServeConfig(recipes_dir=str(malformed_dir), recipe="recursive-alias"))
+
+
+def test_anchors_without_aliases_keep_their_lines(tmp_path):
+    (tmp_path / "anchored.yaml").write_text(
+        "id: anchored\nserved_name: anchored\nengine: spark\nmodel: dummy:tiny-llama\ncontext: &c\n  default: 8k\n")
+    problems = [str(p) for p in load_recipes(tmp_path).problems]
+    assert problems == [f"{tmp_path / 'anchored.yaml'}: $.context.default: expected an int, got str '8k' (line 6)"]
+
+
+def test_scaffold_into_a_directory_that_cannot_be_made_is_one_line(capsys):
+    # mkdir's FileNotFoundError was a traceback: _run caught only CommandError.
+    assert main(["recipe", "scaffold", "--recipes", "/proc/no-such-dir", "Qwen/Qwen3-8B", "spark"]) == 1
+    assert capsys.readouterr().err == "spark: /proc/no-such-dir: No such file or directory\n"

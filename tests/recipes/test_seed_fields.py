@@ -157,3 +157,32 @@ def test_tag_recipe_rewrites_an_existing_tag(tmp_path):
     path.write_text("id: x\nroi_profile: a  # old\nserved_name: x")
     tag_recipe(path, "b")
     assert path.read_text() == "id: x\nroi_profile: b\nserved_name: x"
+
+
+def test_spark_recipe_roi_says_what_is_broken_where_and_exits_1(recipes, tmp_path, capsys):
+    profiles = recipes / "roi-profiles.yaml"
+    profiles.write_text("profiles:\n  gpt-small: {provider: openai, model: [gpt-small}\n")
+    args = ["--recipes", str(recipes), "--config-dir", str(tmp_path), "--url", "http://127.0.0.1:9"]
+    # It said "cannot parse: while parsing a flow sequence" (the YAML error's context, no line) and exited 0.
+    assert main(["recipe", "roi", *args]) == 1
+    err = capsys.readouterr().err
+    assert f"{profiles}: $: YAML syntax error: expected ',' or ']', but got '}}', while parsing a flow sequence " \
+           "that starts at line 2 (line 2)" in err.splitlines(), err
+    profiles.write_text("profiles:\n  gpt-small:\n    provider: openai\n    model: 5\n")
+    assert main(["recipe", "roi", *args]) == 1
+    assert f"{profiles}: $.profiles.gpt-small.model: expected a string, got int 5 (line 4)" in capsys.readouterr().err
+    assert main(["recipe", "check", *args[:4]]) == 1  # `recipe check` reports the same files
+    profiles.write_text(PROFILES)
+    (recipes / "broken.yaml").write_text("id: broken\nserved_name: [\n")
+    assert main(["recipe", "roi", *args]) == 1  # a broken recipe too
+    assert f"{recipes / 'broken.yaml'}: $: YAML syntax error" in capsys.readouterr().err
+
+
+def test_a_broken_enabled_list_says_what_and_where(recipes, tmp_path):
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "inference-profiles.yaml").write_text("enabled: [local-b\n  local-d}\n")
+    # It said "cannot read the enabled list: while parsing a flow sequence" (the context alone, no line).
+    [problem] = load_recipes(recipes, config_dir=config).problems
+    assert str(problem) == f"{config / 'inference-profiles.yaml'}: $: YAML syntax error: expected ',' or ']', but " \
+                           "got '}', while parsing a flow sequence that starts at line 1 (line 2)"
