@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spark.parsers import ContentDelta, ReasoningDelta, ToolCallDelta, canonical_arguments
+from spark.parsers import ContentDelta, ReasoningDelta, ToolCallDelta
 
 
 def pieces_at(text: str, cuts: Sequence[int]) -> list[str]:
@@ -59,7 +59,7 @@ def check_events(result: Any, events: Sequence[Any]) -> None:
     tool_calls = getattr(result, "tool_calls", [])
     assert [c["id"] for c in calls] == [c.id for c in tool_calls]
     assert [c["name"] for c in calls] == [c.name for c in tool_calls]
-    assert [c["arguments"] for c in calls] == [canonical_arguments(c.arguments) for c in tool_calls]
+    assert [c["arguments"] for c in calls] == [c.arguments_json() for c in tool_calls]
 
 
 def assert_split_invariant(make_stream: Callable[[], Any], text: str, expected: Any,

@@ -121,7 +121,12 @@ def chat_outputs(draw):
         reasoning = ""
     if think != "none":  # whitespace after </think> is dropped
         segments[0] = segments[0].lstrip()
-    content = "".join(s for s in segments if not (calls and s.isspace()))
+    # The output ending inside a block open tag ended in a call's markup: that is dropped.
+    block_open = BLOCK_OPENS[fmt == "minimax"]
+    cut = segments[-1].rfind("<") >= 0 and block_open.startswith(segments[-1][segments[-1].rfind("<"):])
+    if cut:
+        segments[-1] = segments[-1][:segments[-1].rfind("<")]
+    content = "".join(s for s in segments if not ((calls or cut) and s.isspace()))
     expected = (reasoning, content, [(n, a, unknown) for n, _, a, unknown in calls])
     return fmt, think, tools, text, expected
 
@@ -173,5 +178,6 @@ def test_any_text_streams_like_it_parses(case, data):
     if not think:
         alone = tool_parser(fmt, id_prefix="call_z").parse(text)
         assert (alone.content, alone.tool_calls) == (result.content, result.tool_calls)
-        if not alone.tool_calls:  # nothing the model wrote is lost
-            assert alone.content == text
+        if not alone.tool_calls:  # nothing the model wrote is lost, but for the markup of a call cut off at the end
+            assert text.startswith(alone.content)
+            assert text[len(alone.content):].lstrip()[:1] in ("", "<")
