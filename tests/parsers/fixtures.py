@@ -282,7 +282,9 @@ REASONING = [
     Fixture("r_several_blocks", None, "<think>a</think>Part one. <think>b</think>Part two.", "Part one. Part two.",
             reasoning="ab", think=True),
     Fixture("r_unclosed_at_end", None, "Hi <think>\nstill thinking <think> about </thin", "Hi ",
-            reasoning="\nstill thinking <think> about </thin", think=True),
+            reasoning="\nstill thinking <think> about ", think=True),  # the tag the output ended in: dropped
+    Fixture("r_cut_in_the_open_tag", None, "Hi <thin", "Hi ", think=True),
+    Fixture("r_cut_in_the_close_tag_of_an_empty_block", None, "<think>\n\n</thi", "", think=True),
     Fixture("r_partial_tags", None, "a <thi b <th\n<think>x </thinker y</think> c", "a <thi b <th\nc",
             reasoning="x </thinker y", think=True),
     Fixture("r_tool_call_inside_think_is_not_a_call", "hermes",
