@@ -20,8 +20,9 @@ never content.
 Where a value ends: at the first `</parameter>` or next parameter header; but when a
 `</function>` or `</tool_call>` comes first and no `</parameter>` / parameter header
 follows before the next `<tool_call>` (or the end), the model forgot `</parameter>` and the
-value ends at that earlier tag. So a value may contain the call and block closing tags,
-but not `</parameter>` or a parameter header (the format cannot tell those apart).
+value ends at that earlier tag (unless the output ends with text, not markup, right after that
+tag: then the value held it and was cut). So a value may contain the call and block closing
+tags, but not `</parameter>` or a parameter header (the format cannot tell those apart).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class XmlStream(TextMachine):
         # The parameter being parsed.
         self._param = ""
         self._value: list[str] = []
-        self._tentative = False  # a call/block closing tag was seen in the value
+        self._tentative = 0  # the length of a call/block closing tag seen in the value (0: none yet)
         self._scan = 0  # where the search resumes, relative to self._pos
 
     def _step(self, final: bool) -> bool:
@@ -187,7 +188,7 @@ class XmlStream(TextMachine):
             self._junk(self._call)
             return True
         self._pos, self._param = end, name
-        self._value, self._tentative, self._scan = [], False, 0
+        self._value, self._tentative, self._scan = [], 0, 0
         self._state = self._param_value
         return True
 
@@ -204,13 +205,19 @@ class XmlStream(TextMachine):
             if tag in (d.param_close, d.param_open):
                 self._end_param(self._call, skip=len(tag) if tag == d.param_close else 0)
             else:  # the value text stays in the buffer from here until we know
-                self._tentative, self._scan = True, len(tag)
+                self._tentative = self._scan = len(tag)
             return True
-        i, tag = find_tag(buf, self._pos + self._scan, (d.param_close, d.param_open, d.block_open), final)
+        i, tag = find_tag(buf, self._pos + self._scan, (d.param_close, d.param_open, d.block_open), False)
         self._scan = i - self._pos
         if tag is None and not final:
             return False
-        if tag in (d.param_close, d.param_open):  # the closing tag was part of the value
+        j = first_non_space(buf, self._pos + self._tentative)
+        if tag is None and j >= 0 and buf[j] != "<":
+            # No markup after the closing tag but text: the tag was the value's, and the output ended in it.
+            self._value.append(buf[self._pos:i])
+            self._pos = len(buf)
+            self._end_param(self._call)
+        elif tag in (d.param_close, d.param_open):  # the closing tag was part of the value
             self._value.append(buf[self._pos:i])
             self._pos = i
             self._end_param(self._call, skip=len(tag) if tag == d.param_close else 0)

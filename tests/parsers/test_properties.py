@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from spark.parsers import ChatOutputParser, tool_parser
@@ -23,6 +23,7 @@ BLOCK_OPENS = ["<tool_call>", "<minimax:tool_call>"]
 XML_FORBIDDEN = {"qwen3_coder": ["</parameter>", "<parameter=", "<tool_call>"],
                  "minimax": ["</parameter>", "<parameter name=", "<minimax:tool_call>"]}
 CONTENT_FORBIDDEN = [*BLOCK_OPENS, "<think>"]
+XML_CLOSES = {"qwen3_coder": ["</function>", "</tool_call>"], "minimax": ["</invoke>", "</minimax:tool_call>"]}
 
 NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,15}", fullmatch=True)
 
@@ -142,6 +143,26 @@ def test_rendered_calls_parse_back(case, data):
     streamed, events = stream_pieces(parser.stream, pieces_at(text, cuts), flush=data.draw(st.booleans()))
     assert streamed == result
     check_events(streamed, events)
+
+
+@SETTINGS
+@given(case=chat_outputs(), data=st.data())
+def test_a_reply_cut_anywhere_parses_to_a_beginning_of_its_whole_parse(case, data):
+    """The token limit may end a reply anywhere: the content and reasoning are beginnings of the whole
+    reply's (no markup of the call it ended in), the calls too, the last one incomplete if it was cut."""
+    fmt, think, tools, text, (_, _, calls) = case
+    # An XML value that holds a closing tag, cut right after it, reads as one that forgot `</parameter>`.
+    assume(all(text.count(tag) == len(calls) for tag in XML_CLOSES.get(fmt, ())))
+    parser = ChatOutputParser(fmt, think != "none", tools, think in ("forced", "reopened"), id_prefix="call_p")
+    whole = parser.parse(text)
+    cut = parser.parse(text[:data.draw(st.integers(0, len(text)), label="end")])
+    # (Blank content is the whole answer when no call follows.)
+    assert (whole.content.startswith(cut.content) or cut.content.isspace()) and whole.reasoning.startswith(cut.reasoning)
+    *done, last = cut.tool_calls or [None]
+    assert done == whole.tool_calls[:len(done)]
+    if last is not None:
+        same = whole.tool_calls[len(done)]
+        assert last == same or last.incomplete and (last.name, last.id, last.unknown) == (same.name, same.id, same.unknown)
 
 
 @st.composite
