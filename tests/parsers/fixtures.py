@@ -284,6 +284,8 @@ REASONING = [
     Fixture("r_unclosed_at_end", None, "Hi <think>\nstill thinking <think> about </thin", "Hi ",
             reasoning="\nstill thinking <think> about ", think=True),  # the tag the output ended in: dropped
     Fixture("r_cut_in_the_open_tag", None, "Hi <thin", "Hi ", think=True),
+    # The tool parser reads the answer as the reasoning parser leaves it: "<to" ends it, as a cut call tag.
+    Fixture("r_cut_tags_of_both_parsers", "hermes", "<think>a</think>\n\n<to<", "", reasoning="a", think=True),
     Fixture("r_cut_in_the_close_tag_of_an_empty_block", None, "<think>\n\n</thi", "", think=True),
     Fixture("r_partial_tags", None, "a <thi b <th\n<think>x </thinker y</think> c", "a <thi b <th\nc",
             reasoning="x </thinker y", think=True),

@@ -79,6 +79,11 @@ def render_call(fmt: str, name: str, params: dict[str, tuple[str, Any]], args: d
     return f'<minimax:tool_call>\n<invoke name="{name}">\n{body}</invoke>\n</minimax:tool_call>'
 
 
+def without_cut_tag(text: str, tag: str) -> str:
+    i = text.rfind("<")
+    return text[:i] if i >= 0 and tag.startswith(text[i:]) else text
+
+
 @st.composite
 def chat_outputs(draw):
     """A rendered reply and what it should parse to."""
@@ -122,11 +127,12 @@ def chat_outputs(draw):
         reasoning = ""
     if think != "none":  # whitespace after </think> is dropped
         segments[0] = segments[0].lstrip()
-    # The output ending inside a block open tag ended in a call's markup: that is dropped.
-    block_open = BLOCK_OPENS[fmt == "minimax"]
-    cut = segments[-1].rfind("<") >= 0 and block_open.startswith(segments[-1][segments[-1].rfind("<"):])
-    if cut:
-        segments[-1] = segments[-1][:segments[-1].rfind("<")]
+    # A tag the output ended inside is dropped: a <think> (the reasoning parser reads first), then a call's.
+    last = segments[-1]
+    if think != "none":
+        segments[-1] = without_cut_tag(segments[-1], "<think>")
+    segments[-1] = without_cut_tag(segments[-1], BLOCK_OPENS[fmt == "minimax"])
+    cut = segments[-1] != last
     content = "".join(s for s in segments if not ((calls or cut) and s.isspace()))
     expected = (reasoning, content, [(n, a, unknown) for n, _, a, unknown in calls])
     return fmt, think, tools, text, expected
