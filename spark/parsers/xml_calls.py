@@ -67,6 +67,7 @@ class XmlStream(TextMachine):
         self._content = Content(self._sink)
         self._state = self._text
         self._junk_return = self._text  # the state to go back to after stray text
+        self._stray: list[str] = []  # stray text inside the open call, content once it closes
         self._held = ""  # the block open tag and whitespace, until a call header commits the block
         self._block_calls = 0
         # The call being parsed.
@@ -167,6 +168,8 @@ class XmlStream(TextMachine):
         self._sink.tool(self._index, None, None, "}" if self._args else "{}")
         unknown = self._calls.unknown(self._name)
         self._calls.done.append(ToolCall(self._name, self._args, self._id, unknown, incomplete))
+        self._content.text("".join(self._stray))
+        self._stray = []
         self._content.boundary()
         self._state = then
 
@@ -264,15 +267,22 @@ class XmlStream(TextMachine):
         return (name or None), start + close + 1
 
     def _junk(self, back: Any) -> None:
-        # Stray text inside a block goes to content, up to the next "<".
-        self._content.text(self._buf[self._pos])
-        self._pos += 1
+        # Stray text inside a block goes to content, up to the next "<"; inside a call, once the call
+        # is closed, so that a call's deltas come one after another (the APIs stream a call as one item).
         self._junk_return, self._state = back, self._junk_run
+        self._stray_text(self._buf[self._pos])
+        self._pos += 1
+
+    def _stray_text(self, text: str) -> None:
+        if self._junk_return == self._call:
+            self._stray.append(text)
+        else:
+            self._content.text(text)
 
     def _junk_run(self, final: bool) -> bool:
         i = self._buf.find("<", self._pos)
         upto = len(self._buf) if i < 0 else i
-        self._content.text(self._buf[self._pos:upto])
+        self._stray_text(self._buf[self._pos:upto])
         self._pos = upto
         if i < 0 and not final:
             return False
