@@ -52,12 +52,12 @@ def _tokens(reply: str) -> int:
 
 @pytest.fixture(scope="module", params=list(FORMATS))
 def fmt(request):
-    """(format name, its case, a server replaying its replies with that tool-call parser)."""
+    """(its case, a server replaying the case's replies with that tool-call parser)."""
     case = FORMATS[request.param]
     engine = ReplayEngine(qwen_like_tokenizer(), {"[cut]": case["[cut]"], "[name-cut]": case["[name-cut]"],
                                                   "[think-cut]": THINK_CUT})
     with replay_server(engine, tool_call_parser=request.param) as server:
-        yield request.param, case, server
+        yield case, server
 
 
 def _chat(client, marker: str, reply: str, **kw) -> tuple[str, list, str]:
@@ -85,7 +85,7 @@ def _chat_streamed(client, marker: str, reply: str, **kw) -> tuple[str, list, st
 
 @pytest.mark.parametrize("read", [_chat, _chat_streamed], ids=["whole", "streamed"])
 def test_chat_completions(fmt, read):
-    _, case, server = fmt
+    case, server = fmt
     client = server.client()
     got = read(client, "[cut]", case["[cut]"], tools=[TOOL], tool_choice="required")
     assert got == (case["content"], case["calls"], "length")
@@ -96,7 +96,7 @@ def test_chat_completions(fmt, read):
 
 
 def test_chat_reasoning_cut_stays_reasoning(fmt):
-    _, _, server = fmt
+    _, server = fmt
     r = server.client().chat.completions.create(
         model="replay", messages=[{"role": "user", "content": "Weather? [think-cut]"}], max_tokens=_tokens(THINK_CUT))
     message = r.model_dump()["choices"][0]["message"]
@@ -104,79 +104,71 @@ def test_chat_reasoning_cut_stays_reasoning(fmt):
     assert message["reasoning_content"] == THINK_CUT.removeprefix("<think>")
 
 
-def _anthropic(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+def _messages(server, marker: str, reply: str, **kw) -> list:
+    """The Anthropic SDK's message for ``reply``, cut where it ends: created, then streamed."""
+    kw = dict(model="replay", max_tokens=_tokens(reply), messages=[{"role": "user", "content": f"Weather? {marker}"}],
+              **kw)
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120) as client:
+        whole = client.messages.create(**kw)
+        with client.messages.stream(**kw) as stream:
+            return [whole, stream.get_final_message()]
 
 
 def test_anthropic_messages(fmt):
-    _, case, server = fmt
+    case, server = fmt
     tool = {"name": "get_weather", "description": "The weather", "input_schema": CITY}
-    with _anthropic(server) as client:
-        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}):
-            kw = dict(model="replay", max_tokens=_tokens(case["[cut]"]), tools=[tool], tool_choice=choice,
-                      messages=[{"role": "user", "content": "Weather? [cut]"}])
-            whole = client.messages.create(**kw)
-            with client.messages.stream(**kw) as stream:
-                streamed = stream.get_final_message()
-            for m in (whole, streamed):
-                assert m.stop_reason == "max_tokens"
-                assert "".join(b.text for b in m.content if b.type == "text") == case["content"]
-                assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == \
-                    [(name, inp) for (name, _), inp in zip(case["calls"], case["inputs"])]
-        kw = dict(model="replay", max_tokens=_tokens(case["[name-cut]"]), tools=[tool], tool_choice={"type": "any"},
-                  messages=[{"role": "user", "content": "Weather? [name-cut]"}])
-        whole = client.messages.create(**kw)
-        with client.messages.stream(**kw) as stream:
-            streamed = stream.get_final_message()
-        for m in (whole, streamed):
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}):
+        for m in _messages(server, "[cut]", case["[cut]"], tools=[tool], tool_choice=choice):
             assert m.stop_reason == "max_tokens"
-            assert [(b.type, b.text) for b in m.content] == [("text", case["name_cut_content"])]
+            assert "".join(b.text for b in m.content if b.type == "text") == case["content"]
+            assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == \
+                [(name, inp) for (name, _), inp in zip(case["calls"], case["inputs"])]
+    for m in _messages(server, "[name-cut]", case["[name-cut]"], tools=[tool], tool_choice={"type": "any"}):
+        assert m.stop_reason == "max_tokens"
+        assert [(b.type, b.text) for b in m.content] == [("text", case["name_cut_content"])]
 
 
 def test_anthropic_thinking_cut_stays_thinking(fmt):
-    _, _, server = fmt
-    kw = dict(model="replay", max_tokens=_tokens(THINK_CUT), thinking={"type": "enabled", "budget_tokens": 1024},
-              messages=[{"role": "user", "content": "Weather? [think-cut]"}])
-    with _anthropic(server) as client:
-        whole = client.messages.create(**kw)
-        with client.messages.stream(**kw) as stream:
-            streamed = stream.get_final_message()
-    for m in (whole, streamed):
+    _, server = fmt
+    for m in _messages(server, "[think-cut]", THINK_CUT, thinking={"type": "enabled", "budget_tokens": 1024}):
         assert m.stop_reason == "max_tokens"
         assert [b.thinking for b in m.content if b.type == "thinking"] == [THINK_CUT.removeprefix("<think>")]
         assert not "".join(b.text for b in m.content if b.type == "text")
 
 
+def _responses(client, marker: str, reply: str, **kw) -> list:
+    """The Response for ``reply``, cut where it ends: created, then streamed (its last event's)."""
+    kw = dict(model="replay", input=f"Weather? {marker}", max_output_tokens=_tokens(reply), **kw)
+    *_, last = client.responses.create(**kw, stream=True)
+    assert last.type == "response.incomplete"
+    return [client.responses.create(**kw), last.response]
+
+
 def test_responses(fmt):
-    _, case, server = fmt
+    case, server = fmt
     client = server.client()
     tool = {"type": "function", "name": "get_weather", "description": "The weather", "parameters": CITY}
-    kw = dict(model="replay", input="Weather? [cut]", tools=[tool], tool_choice="required",
-              max_output_tokens=_tokens(case["[cut]"]))
-    whole = client.responses.create(**kw)
-    streamed = [e for e in client.responses.create(**kw, stream=True)][-1]
-    assert streamed.type == "response.incomplete"
     *done, cut = case["calls"]
     want = [(name, arguments, "completed") for name, arguments in done] + [(*cut, "incomplete")]
-    for r in (whole, streamed.response):
+    for r in _responses(client, "[cut]", case["[cut]"], tools=[tool], tool_choice="required"):
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
         assert [(i.name, i.arguments, i.status) for i in r.output if i.type == "function_call"] == want
         assert "".join(p.text for i in r.output if i.type == "message" for p in i.content) == case["content"]
-    kw.update(input="Weather? [name-cut]", max_output_tokens=_tokens(case["[name-cut]"]))
-    for r in (client.responses.create(**kw), [e for e in client.responses.create(**kw, stream=True)][-1].response):
+    for r in _responses(client, "[name-cut]", case["[name-cut]"], tools=[tool], tool_choice="required"):
         assert r.status == "incomplete" and not [i for i in r.output if i.type == "function_call"]
         assert "".join(p.text for i in r.output if i.type == "message" for p in i.content) == case["name_cut_content"]
 
 
 def test_no_markup_in_any_streamed_text(fmt):
     """The raw SSE of each API, cut in a call: the text deltas are the text before the call, no more."""
-    _, case, server = fmt
+    case, server = fmt
     tokens, ask = _tokens(case["[cut]"]), "Weather? [cut]"
     chat = {"messages": [{"role": "user", "content": ask}], "max_tokens": tokens}
     apis = {
         "/v1/chat/completions": ({**chat, "tools": [TOOL], "tool_choice": "required"},
                                  lambda e: e["choices"][0]["delta"].get("content") if e.get("choices") else None),
-        "/v1/messages": ({**chat, "tools": [{"name": "get_weather", "input_schema": CITY}], "tool_choice": {"type": "any"}},
+        "/v1/messages": ({**chat, "tools": [{"name": "get_weather", "input_schema": CITY}],
+                          "tool_choice": {"type": "any"}},
                          lambda e: e["delta"]["text"] if e["type"] == "content_block_delta"
                          and e["delta"]["type"] == "text_delta" else None),
         "/v1/responses": ({"input": ask, "max_output_tokens": tokens, "tool_choice": "required",
