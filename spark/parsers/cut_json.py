@@ -25,6 +25,7 @@ _VALUE, _VALUE_OR_END, _KEY, _KEY_OR_END, _COLON, _NEXT = range(6)
 _VALUES, _KEYS = (_VALUE, _VALUE_OR_END), (_KEY, _KEY_OR_END)
 _OPENS = {"{": _KEY_OR_END, "[": _VALUE_OR_END}
 _CLOSES = {"{": ("}", _KEY_OR_END), "[": ("]", _VALUE_OR_END)}  # the closer, and the state it may also end
+_PUNCTUATION = frozenset("{}[]:,")
 
 
 def cut_object_members(text: str) -> dict[str, str] | None:
@@ -83,7 +84,7 @@ def cut_object_members(text: str) -> dict[str, str] | None:
             if len(stack) == 1:
                 members[key] = text[start:pos]
             expect = _NEXT
-        elif in_value and token not in _CLOSES and token not in "}]:,":
+        elif in_value and token not in _PUNCTUATION:  # a string, number or literal
             if len(stack) == 1:
                 members[key] = text[start:pos]
             expect = _NEXT

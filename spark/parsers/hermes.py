@@ -11,9 +11,8 @@ At the end of the output a block still open is a call when its whole body is one
 forgot `</tool_call>`). Else, when its body is a JSON object cut short (the token limit stopped
 the model inside the call), it is an incomplete call if its name was whole, with the arguments
 as far as they went (`ToolCall.cut_arguments`), and nothing if not: the markup of a cut call
-is never content. A body that is no such beginning of an object is content, and so is the
-text of a cut `<tool_call>` tag at the very end dropped (what stays is still the model's
-text, only shorter).
+is never content. A body that begins no JSON object stays content. A `<tool_call>` tag the
+output ends inside is dropped too (what stays is still the model's text, only shorter).
 """
 
 from __future__ import annotations

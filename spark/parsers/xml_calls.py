@@ -214,9 +214,9 @@ class XmlStream(TextMachine):
         self._scan = i - self._pos
         if tag is None and not final:
             return False
-        j = first_non_space(buf, self._pos + self._tentative)
-        if tag is None and j >= 0 and buf[j] != "<":
-            # No markup after the closing tag but text: the tag was the value's, and the output ended in it.
+        after = first_non_space(buf, self._pos + self._tentative) if tag is None else -1
+        if after >= 0 and buf[after] != "<":
+            # Text, not markup, after the closing tag, up to the end: the tag was the value's, cut with it.
             self._value.append(buf[self._pos:i])
             self._pos = len(buf)
             self._end_param(self._call)
