@@ -38,8 +38,10 @@ the links of an answer are ``TurnResult.citations`` (``spark.parsers.citations``
 them in its own fields.
 
 Finish reasons: "tool_calls" when calls were made and the model stopped; else the engine's
-"stop" or "length" ("length" wins over calls: a cut-off call may be incomplete); "error" with
-``TurnDone.error`` set (the error piece's, a stream that failed, or one that ended early).
+"stop" or "length" ("length" wins over calls); "error" with ``TurnDone.error`` set (the error
+piece's, a stream that failed, or one that ended early). A call the output was cut off in is
+``ToolCall.incomplete`` (its arguments as far as they went) if its name was whole, else not
+there at all: its markup never becomes content (``spark.parsers``).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class TurnResult:
 
     content: str
     reasoning: str
-    tool_calls: tuple[ToolCall, ...] = ()  # .id, .name, .arguments (a dict), .unknown
+    tool_calls: tuple[ToolCall, ...] = ()  # .id, .name, .arguments (a dict), .unknown, .incomplete
     refusal: str = ""  # the answer, when it refused (content is then empty)
     citations: tuple[Citation, ...] = ()  # the links in content, when the server extracts them
 
@@ -182,7 +184,7 @@ class TurnParser:
             events += self.flush()
         done = self._end(piece, piece.finish_reason)
         if done.error is None:
-            events += self._held  # cut off before a call ("length"): the content was the reply after all
+            events += self._held  # cut off before any call ("length"): the text before it was the reply after all
         self._held = []
         return events + [done]
 

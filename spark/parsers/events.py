@@ -2,7 +2,7 @@
 
 A stream of events and the final result describe the same thing: the `ContentDelta` texts
 concatenate to `result.content`, the `ReasoningDelta` texts to `result.reasoning`, and the
-`ToolCallDelta.arguments` fragments of call `i` to `canonical_arguments(result.tool_calls[i].arguments)`.
+`ToolCallDelta.arguments` fragments of call `i` to `result.tool_calls[i].arguments_json()`.
 """
 
 from __future__ import annotations
@@ -47,12 +47,25 @@ Event = ContentDelta | ReasoningDelta | ToolCallDelta
 
 @attrs.frozen
 class ToolCall:
-    """One parsed call. `unknown` is True when tools were given and `name` is not among them."""
+    """One parsed call. `unknown` is True when tools were given and `name` is not among them.
+
+    A call the output ended inside (cut off by the token limit) is `incomplete`: its name was
+    whole, its arguments are what came before the end. Where those are a JSON object cut short
+    (hermes), `arguments` is {} and `cut_arguments` holds the text as far as it went, which is
+    what streams (OpenAI's `arguments` is a string and carries it; an API that needs an object
+    takes `arguments`).
+    """
 
     name: str
     arguments: dict[str, Any]
     id: str
     unknown: bool = False
+    incomplete: bool = False
+    cut_arguments: str | None = None
+
+    def arguments_json(self) -> str:
+        """The arguments as the JSON text that streamed: canonical, or the cut text."""
+        return canonical_arguments(self.arguments) if self.cut_arguments is None else self.cut_arguments
 
 
 @attrs.frozen
@@ -136,7 +149,7 @@ def to_openai_tool_calls(tool_calls: Sequence[ToolCall]) -> list[dict[str, Any]]
       Dicts `{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`.
     """
     return [{"id": call.id, "type": "function",
-             "function": {"name": call.name, "arguments": canonical_arguments(call.arguments)}}
+             "function": {"name": call.name, "arguments": call.arguments_json()}}
             for call in tool_calls]
 
 

@@ -4,10 +4,15 @@ Used by Qwen2.5/Qwen3, Hermes and many others. A block closes at the first
 `</tool_call>` that is not inside a JSON string, so a string argument may contain the
 closing tag. The block becomes a call only if its body is a JSON object with a string
 `name` and an object `arguments` (or `parameters`, or a JSON string holding an object);
-anything else is given back as content. A block still open at the end of the output is a
-call when its whole body is one (the model forgot `</tool_call>`), else content; one still
-open when the next `<tool_call>` comes is content. The arguments stream in one fragment,
-when the block closes.
+anything else is given back as content. One still open when the next `<tool_call>` comes is
+content. The arguments stream in one fragment, when the block closes.
+
+At the end of the output a block still open is a call when its whole body is one (the model
+forgot `</tool_call>`). Else, when its body is a JSON object cut short (the token limit stopped
+the model inside the call), it is an incomplete call if its name was whole, with the arguments
+as far as they went (`ToolCall.cut_arguments`), and nothing if not: the markup of a cut call
+is never content. A body that begins no JSON object stays content. A `<tool_call>` tag the
+output ends inside is dropped too (what stays is still the model's text, only shorter).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from spark.parsers.events import ToolCall, ToolParseResult, canonical_arguments
+from spark.parsers.cut_json import cut_object_members
+from spark.parsers.events import ToolCall, ToolParseResult
 from spark.parsers.scan import MORE, Calls, Content, TextMachine, find_tag, first_non_space, tag_at
 from spark.parsers.schema import load_json
 
@@ -41,10 +47,13 @@ class HermesStream(TextMachine):
         return self._block(final) if self._in_block else self._text(final)
 
     def _text(self, final: bool) -> bool:
-        i, tag = find_tag(self._buf, self._pos, (OPEN,), final)
+        i, tag = find_tag(self._buf, self._pos, (OPEN,), False)
         self._content.text(self._buf[self._pos:i])
         self._pos = i
         if tag is None:
+            if final and i < len(self._buf):  # the output ended inside the open tag
+                self._pos = len(self._buf)
+                self._content.boundary()
             return False
         self._pos += len(OPEN)
         self._in_block, self._body, self._seen_brace, self._in_string = True, [], False, False
@@ -56,7 +65,7 @@ class HermesStream(TextMachine):
             j = first_non_space(buf, i)
             if j < 0:
                 self._keep(n)
-                return self._give_up() if final else False  # only whitespace: no call
+                return self._close_at_end() if final else False
             if buf[j] != "{":  # not JSON: the open tag was just text
                 self._keep(j)
                 return self._give_up()
@@ -108,11 +117,23 @@ class HermesStream(TextMachine):
         return True
 
     def _close_at_end(self) -> bool:
-        call = _parse_call("".join(self._body))
-        if call is None:
+        body = "".join(self._body)
+        whole = _without_cut_tag(body)  # a cut `</tool_call>` (or the next `<tool_call>`) after the object
+        call = _parse_call(whole)
+        if call is not None:
+            self._in_block = False
+            self._emit_call(*call)
+            return True
+        # A cut string argument may end in what looks like a cut tag: keep it when it reads so.
+        members = next((m for m in map(cut_object_members, (body, whole)) if m is not None), None)
+        if members is None:
             return self._give_up()
         self._in_block = False
-        self._emit_call(*call)
+        ok, name = load_json(members.get("name", ""))
+        if ok and isinstance(name, str) and name:
+            self._emit_call(name, *_cut_arguments(members), incomplete=True)
+        else:  # cut before its name was whole: nothing to say of it
+            self._content.boundary()
         return True
 
     def _close(self) -> None:
@@ -124,11 +145,13 @@ class HermesStream(TextMachine):
             return
         self._emit_call(*call)
 
-    def _emit_call(self, name: str, arguments: dict[str, Any]) -> None:
+    def _emit_call(self, name: str, arguments: dict[str, Any], cut: str | None = None,
+                   incomplete: bool = False) -> None:
         self._content.boundary()
         index, call_id = self._calls.start()
-        self._sink.tool(index, call_id, name, canonical_arguments(arguments))
-        self._calls.done.append(ToolCall(name, arguments, call_id, self._calls.unknown(name)))
+        call = ToolCall(name, arguments, call_id, self._calls.unknown(name), incomplete, cut)
+        self._sink.tool(index, call_id, name, call.arguments_json())
+        self._calls.done.append(call)
         self._content.boundary()
 
     def _end(self) -> None:
@@ -148,3 +171,24 @@ def _parse_call(body: str) -> tuple[str, dict[str, Any]] | None:
     if not isinstance(arguments, dict):
         return None
     return obj["name"], arguments
+
+
+def _without_cut_tag(body: str) -> str:
+    """`body` less a tag the output ended inside, if it ends in one."""
+    i = body.rfind("<")
+    tail = body[i:]
+    return body[:i] if i >= 0 and (CLOSE.startswith(tail) or OPEN.startswith(tail)) else body
+
+
+def _cut_arguments(members: dict[str, str]) -> tuple[dict[str, Any], str | None]:
+    """The arguments of a call cut short: ``(arguments, None)`` when they were whole, else
+    ``({}, their text as far as it went)`` ("" when they had not begun)."""
+    text = members.get("arguments", members.get("parameters", ""))
+    ok, value = load_json(text)
+    if ok and isinstance(value, str):  # double-encoded
+        text = value
+        ok, value = load_json(value) if value.strip() else (True, {})
+    elif text.startswith('"'):  # double-encoded and cut: the string's own text so far
+        decoded, inner = load_json(text + '"')
+        ok, text = False, inner if decoded else text
+    return (value, None) if ok and isinstance(value, dict) else ({}, text)

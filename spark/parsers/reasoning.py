@@ -5,7 +5,8 @@ Rules, in the order a reader meets them:
 - A block holding only whitespace is a template no-op (`<think>\\n\\n</think>\\n\\n` when
   thinking is off): it yields no reasoning.
 - Whitespace right after `</think>` is dropped (templates put "\\n\\n" there).
-- A block still open at the end runs to the end.
+- A block still open at the end runs to the end (the token limit cut the reasoning: it stays
+  reasoning). A tag the output ended inside (`</thi`, `<th`) is dropped, not text.
 - When the chat template already opened the block in the prompt, the output starts inside it;
   a `<think>` the model writes anyway as its first non-whitespace text is dropped, with the
   whitespace before it, so the parse is that of the same text with the block not pre-opened.
@@ -48,11 +49,11 @@ class ThinkStream(TextMachine):
         return self._state(final)
 
     def _content(self, final: bool) -> bool:
-        i, tag = find_tag(self._buf, self._pos, (THINK_OPEN,), final)
+        i, tag = find_tag(self._buf, self._pos, (THINK_OPEN,), False)
         self._emit_content(self._buf[self._pos:i])
         self._pos = i
         if tag is None:
-            return False
+            return self._cut() if final and i < len(self._buf) else False
         self._pos += len(tag)
         self._held, self._state = "", self._think_start
         return True
@@ -64,9 +65,9 @@ class ThinkStream(TextMachine):
         self._pos = upto
         if j < 0:
             return False  # at the end a whitespace-only block gives nothing
-        tag = tag_at(self._buf, j, (THINK_CLOSE, THINK_OPEN) if self._reopen else (THINK_CLOSE,), final)
+        tag = tag_at(self._buf, j, (THINK_CLOSE, THINK_OPEN) if self._reopen else (THINK_CLOSE,), False)
         if tag is MORE:
-            return False
+            return self._cut() if final else False
         self._reopen = False
         if tag == THINK_OPEN:  # the template's block, reopened by the model: start it afresh
             self._pos += len(tag)
@@ -80,11 +81,11 @@ class ThinkStream(TextMachine):
         return True
 
     def _think(self, final: bool) -> bool:
-        i, tag = find_tag(self._buf, self._pos, (THINK_CLOSE,), final)
+        i, tag = find_tag(self._buf, self._pos, (THINK_CLOSE,), False)
         self._emit_reasoning(self._buf[self._pos:i])
         self._pos = i
         if tag is None:
-            return False
+            return self._cut() if final and i < len(self._buf) else False
         self._pos += len(tag)
         self._state = self._after_think
         return True
@@ -95,6 +96,11 @@ class ThinkStream(TextMachine):
             self._pos = len(self._buf)
             return False
         self._pos, self._state = j, self._content
+        return True
+
+    def _cut(self) -> bool:
+        """The output ended inside a tag: drop it."""
+        self._pos = len(self._buf)
         return True
 
     def _emit_content(self, text: str) -> None:

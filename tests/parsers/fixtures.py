@@ -1,7 +1,8 @@
 """Model outputs with their expected parse, over the three tool formats and the reasoning cases.
 
 Each fixture runs through `ChatOutputParser(parser, reasoning, tools, prompt_ends_in_thinking)`.
-`calls` lists `(name, arguments, unknown)`.
+`calls` lists `(name, arguments, unknown)`; `cut`, when set, says that the output ended inside the
+last call (the token limit) and gives the JSON of its arguments as they stream.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Fixture:
     think: bool = False
     prompt_ends_in_thinking: bool = False
     tools: list[dict[str, Any]] | None = None
+    cut: str | None = None
 
 
 def _tool(name: str, **props: Any) -> dict[str, Any]:
@@ -72,9 +74,31 @@ HERMES = [
     Fixture("h_unbalanced_braces_then_valid_call", "hermes",
             '<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>\n<tool_call>{"name": "b"}</tool_call>',
             '<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>\n', [("b", {}, False)]),
-    Fixture("h_unclosed_at_end", "hermes",
+    # Cut off by the token limit inside a call: its markup is never content. A call whose name
+    # was whole comes back incomplete, with its arguments as far as they went; one that was not, not at all.
+    Fixture("h_cut_in_arguments", "hermes",
             'Calling <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
-            'Calling <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+            "Calling ", [("get_weather", {}, False)], tools=TOOLS, cut='{"city": "Pa'),
+    Fixture("h_cut_in_name", "hermes", 'Sure.\n<tool_call>\n{"name": "get_wea', "Sure.\n"),
+    Fixture("h_cut_before_the_body", "hermes", '\n<tool_call>\n', ""),
+    Fixture("h_cut_in_the_open_tag", "hermes", "Sure. <tool_ca", "Sure. "),
+    Fixture("h_cut_in_the_close_tag", "hermes",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</too',
+            "", [("get_weather", {"city": "Paris"}, False)]),
+    Fixture("h_cut_second_call_after_its_name", "hermes",
+            '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "search",',
+            "", [("noop", {}, False), ("search", {}, False)], tools=TOOLS, cut=""),
+    Fixture("h_cut_with_whole_arguments", "hermes", '<tool_call>{"name": "search", "arguments": {"tags": [1, 2]}',
+            "", [("search", {"tags": [1, 2]}, False)], cut='{"tags": [1, 2]}'),
+    Fixture("h_cut_name_after_arguments", "hermes", '<tool_call>{"arguments": {"a": 1}, "name": "no', ""),
+    Fixture("h_cut_double_encoded", "hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1, \\"b',
+            "", [("f", {}, False)], cut='{"a": 1, "b'),
+    Fixture("h_cut_in_an_escape", "hermes", '<tool_call>{"name": "f", "arguments": {"s": "caf\\u00',
+            "", [("f", {}, False)], cut='{"s": "caf\\u00'),
+    Fixture("h_cut_string_ending_like_a_tag", "hermes", '<tool_call>{"name": "f", "arguments": {"s": "a </tool',
+            "", [("f", {}, False)], cut='{"s": "a </tool'),
+    Fixture("h_cut_not_json_is_content", "hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN',
+            '<tool_call>{"name": "f", "arguments": {"x": NaN'),
     # At the end of the output an unclosed block whose body is a whole call is that call (issue 18).
     Fixture("h_unclosed_complete_call_at_end", "hermes", '<tool_call>\n{"name": "ping", "arguments": {}}',
             "", [("ping", {}, False)]),
@@ -107,7 +131,7 @@ HERMES = [
             '<tool_call>{"name": "run_code", "arguments": {"code": "dir C:\\\\"}}</tool_call>',
             "", [("run_code", {"code": "dir C:\\"}, False)]),
     Fixture("h_partial_tags_in_content", "hermes", "a <to b <tx c < d <tool_call e <tool_ca",
-            "a <to b <tx c < d <tool_call e <tool_ca"),
+            "a <to b <tx c < d <tool_call e "),  # the last one: a call the output ended in
     Fixture("h_whitespace_only_output", "hermes", "\n\n  ", "\n\n  "),
     Fixture("h_nan_is_not_json", "hermes", '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
             '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>'),
@@ -147,10 +171,23 @@ QWEN = [
     Fixture("q_no_tools_given", "qwen3_coder",
             "<tool_call>\n<function=launch>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>",
             "", [("launch", {"count": "3"}, False)]),
-    Fixture("q_unclosed_block_is_content", "qwen3_coder", "Let me call <tool_call>\n", "Let me call <tool_call>\n"),
+    Fixture("q_cut_after_the_open_tag", "qwen3_coder", "Let me call <tool_call>\n", "Let me call "),
+    Fixture("q_cut_in_the_open_tag", "qwen3_coder", "Hi <tool_c", "Hi "),
+    Fixture("q_cut_in_the_header", "qwen3_coder", "Checking.\n<tool_call>\n<function=get_wea", "Checking.\n"),
     Fixture("q_truncated_call", "qwen3_coder",
             "<tool_call>\n<function=run_code>\n<parameter=timeout>\n1\n</parameter>\n<parameter=code>\nimport os\npri",
-            "", [("run_code", {"timeout": 1, "code": "import os\npri"}, False)], tools=TOOLS),
+            "", [("run_code", {"timeout": 1, "code": "import os\npri"}, False)], tools=TOOLS,
+            cut='{"timeout": 1, "code": "import os\\npri"}'),
+    Fixture("q_cut_in_a_parameter_header", "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=da",
+            "", [("get_weather", {"city": "Paris"}, False)], tools=TOOLS, cut='{"city": "Paris"}'),
+    Fixture("q_cut_in_a_parameter_close_tag", "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</param",
+            "", [("get_weather", {"city": "Paris"}, False)], tools=TOOLS, cut='{"city": "Paris"}'),
+    Fixture("q_cut_in_the_function_close_tag", "qwen3_coder", "<tool_call>\n<function=noop>\n</func",
+            "", [("noop", {}, False)], tools=TOOLS, cut="{}"),
+    Fixture("q_cut_after_a_whole_call", "qwen3_coder", "<tool_call>\n<function=noop>\n</function>\n</tool",
+            "", [("noop", {}, False)], tools=TOOLS),
     Fixture("q_bad_values_stay_strings", "qwen3_coder",
             "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=metric>\nyes\n"
             "</parameter>\n</function>\n</tool_call>",
@@ -205,7 +242,14 @@ MINIMAX = [
             '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="metric">true\n</invoke>\n'
             '</minimax:tool_call>',
             "", [("get_weather", {"metric": True}, False)], tools=TOOLS),
-    Fixture("m_unclosed_block_is_content", "minimax", "ok <minimax:tool_call>", "ok <minimax:tool_call>"),
+    Fixture("m_cut_after_the_open_tag", "minimax", "ok <minimax:tool_call>", "ok "),
+    Fixture("m_cut_in_the_invoke_name", "minimax", '<minimax:tool_call>\n<invoke name="get_wea', ""),
+    Fixture("m_cut_in_a_value", "minimax",
+            '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Par',
+            "", [("get_weather", {"city": "Par"}, False)], tools=TOOLS, cut='{"city": "Par"}'),
+    Fixture("m_cut_in_a_parameter_close_tag", "minimax",
+            '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="days">3</param',
+            "", [("get_weather", {"days": 3}, False)], tools=TOOLS, cut='{"days": 3}'),
     Fixture("m_hermes_tags_are_text", "minimax", '<tool_call>{"name": "noop"}</tool_call>',
             '<tool_call>{"name": "noop"}</tool_call>'),
     Fixture("m_unknown_empty", "minimax",
@@ -238,7 +282,11 @@ REASONING = [
     Fixture("r_several_blocks", None, "<think>a</think>Part one. <think>b</think>Part two.", "Part one. Part two.",
             reasoning="ab", think=True),
     Fixture("r_unclosed_at_end", None, "Hi <think>\nstill thinking <think> about </thin", "Hi ",
-            reasoning="\nstill thinking <think> about </thin", think=True),
+            reasoning="\nstill thinking <think> about ", think=True),  # the tag the output ended in: dropped
+    Fixture("r_cut_in_the_open_tag", None, "Hi <thin", "Hi ", think=True),
+    # The tool parser reads the answer as the reasoning parser leaves it: "<to" ends it, as a cut call tag.
+    Fixture("r_cut_tags_of_both_parsers", "hermes", "<think>a</think>\n\n<to<", "", reasoning="a", think=True),
+    Fixture("r_cut_in_the_close_tag_of_an_empty_block", None, "<think>\n\n</thi", "", think=True),
     Fixture("r_partial_tags", None, "a <thi b <th\n<think>x </thinker y</think> c", "a <thi b <th\nc",
             reasoning="x </thinker y", think=True),
     Fixture("r_tool_call_inside_think_is_not_a_call", "hermes",
@@ -256,6 +304,13 @@ REASONING = [
             '</minimax:tool_call>',
             "", [("noop", {}, False)], reasoning="\nuse the tool\n", think=True, tools=TOOLS),
     Fixture("r_no_reasoning_parser_keeps_think_text", "hermes", "<think>x</think> y", "<think>x</think> y"),
+    # Reasoning cut off by the token limit stays reasoning, a call begun in it too.
+    Fixture("r_cut_in_think", "hermes", '<think>\nI will call <tool_call>{"name": "get_we', "",
+            reasoning='\nI will call <tool_call>{"name": "get_we', think=True, tools=TOOLS),
+    Fixture("r_cut_in_a_call_after_think", "qwen3_coder",
+            "<think>\nweather\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBe",
+            "", [("get_weather", {"city": "Be"}, False)], reasoning="\nweather\n", think=True, tools=TOOLS,
+            cut='{"city": "Be"}'),
     Fixture("r_unclosed_think_swallows_tool_call", "hermes", '<think>maybe <tool_call>{"name": "noop"}</tool_call>',
             "", reasoning='maybe <tool_call>{"name": "noop"}</tool_call>', think=True),
 ]

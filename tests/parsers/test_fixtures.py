@@ -35,6 +35,9 @@ def test_one_piece(fx: Fixture):
     assert result.reasoning == fx.reasoning
     assert [(c.name, c.arguments, c.unknown) for c in result.tool_calls] == _expected_calls(fx)
     assert [c.id for c in result.tool_calls] == [f"call_fx{i:08x}" for i in range(len(fx.calls))]
+    cut = [(c.arguments_json(), c.incomplete) for c in result.tool_calls[-1:] if c.incomplete]
+    assert cut == ([] if fx.cut is None else [(fx.cut, True)])
+    assert not any(c.incomplete for c in result.tool_calls[:-1])
     # The parsers on their own agree with the composition.
     if fx.parser and not fx.think:
         alone = tool_parser(fx.parser, fx.tools, id_prefix="call_fx").parse(fx.text)

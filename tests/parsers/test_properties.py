@@ -1,12 +1,14 @@
-"""Hypothesis: random tool calls rendered in each format parse back, one-piece and streamed;
-arbitrary tag-laden text never crashes, streams like it parses, and is never lost."""
+"""Hypothesis: random tool calls rendered in each format parse back, one-piece and streamed, and
+cut off anywhere parse to a beginning of that; arbitrary tag-laden text never crashes, streams
+like it parses, and is never lost (but for the markup of a call the output ends in)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+import attrs
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from spark.parsers import ChatOutputParser, tool_parser
@@ -23,6 +25,7 @@ BLOCK_OPENS = ["<tool_call>", "<minimax:tool_call>"]
 XML_FORBIDDEN = {"qwen3_coder": ["</parameter>", "<parameter=", "<tool_call>"],
                  "minimax": ["</parameter>", "<parameter name=", "<minimax:tool_call>"]}
 CONTENT_FORBIDDEN = [*BLOCK_OPENS, "<think>"]
+XML_CLOSES = {"qwen3_coder": ["</function>", "</tool_call>"], "minimax": ["</invoke>", "</minimax:tool_call>"]}
 
 NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,15}", fullmatch=True)
 
@@ -78,6 +81,11 @@ def render_call(fmt: str, name: str, params: dict[str, tuple[str, Any]], args: d
     return f'<minimax:tool_call>\n<invoke name="{name}">\n{body}</invoke>\n</minimax:tool_call>'
 
 
+def without_cut_tag(text: str, tag: str) -> str:
+    i = text.rfind("<")
+    return text[:i] if i >= 0 and tag.startswith(text[i:]) else text
+
+
 @st.composite
 def chat_outputs(draw):
     """A rendered reply and what it should parse to."""
@@ -121,7 +129,13 @@ def chat_outputs(draw):
         reasoning = ""
     if think != "none":  # whitespace after </think> is dropped
         segments[0] = segments[0].lstrip()
-    content = "".join(s for s in segments if not (calls and s.isspace()))
+    # A tag the output ended inside is dropped: a <think> (the reasoning parser reads first), then a call's.
+    last = segments[-1]
+    if think != "none":
+        segments[-1] = without_cut_tag(segments[-1], "<think>")
+    segments[-1] = without_cut_tag(segments[-1], BLOCK_OPENS[fmt == "minimax"])
+    cut = segments[-1] != last
+    content = "".join(s for s in segments if not ((calls or cut) and s.isspace()))
     expected = (reasoning, content, [(n, a, unknown) for n, _, a, unknown in calls])
     return fmt, think, tools, text, expected
 
@@ -137,6 +151,27 @@ def test_rendered_calls_parse_back(case, data):
     streamed, events = stream_pieces(parser.stream, pieces_at(text, cuts), flush=data.draw(st.booleans()))
     assert streamed == result
     check_events(streamed, events)
+
+
+@SETTINGS
+@given(case=chat_outputs(), data=st.data())
+def test_a_reply_cut_anywhere_parses_to_a_beginning_of_its_whole_parse(case, data):
+    """The token limit may end a reply anywhere: the content and reasoning are beginnings of the whole
+    reply's (no markup of the call it ended in), the calls too, the last one incomplete if it was cut."""
+    fmt, think, tools, text, (_, _, calls) = case
+    # An XML value that holds a closing tag, cut right after it, reads as one that forgot `</parameter>`.
+    assume(all(text.count(tag) == len(calls) for tag in XML_CLOSES.get(fmt, ())))
+    parser = ChatOutputParser(fmt, think != "none", tools, think in ("forced", "reopened"), id_prefix="call_p")
+    whole = parser.parse(text)
+    cut = parser.parse(text[:data.draw(st.integers(0, len(text)), label="end")])
+    assert whole.reasoning.startswith(cut.reasoning)
+    assert whole.content.startswith(cut.content) or cut.content.isspace()  # blank: the answer when no call follows
+    *done, last = cut.tool_calls or [None]
+    assert done == whole.tool_calls[:len(done)]
+    if last is not None:
+        same = whole.tool_calls[len(done)]
+        assert last == same or last.incomplete and attrs.evolve(last, arguments=same.arguments, incomplete=False,
+                                                                cut_arguments=None) == same
 
 
 @st.composite
@@ -173,5 +208,6 @@ def test_any_text_streams_like_it_parses(case, data):
     if not think:
         alone = tool_parser(fmt, id_prefix="call_z").parse(text)
         assert (alone.content, alone.tool_calls) == (result.content, result.tool_calls)
-        if not alone.tool_calls:  # nothing the model wrote is lost
-            assert alone.content == text
+        if not alone.tool_calls:  # nothing the model wrote is lost, but for the markup of a call cut off at the end
+            assert text.startswith(alone.content)
+            assert text[len(alone.content):].lstrip()[:1] in ("", "<")
