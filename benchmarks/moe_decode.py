@@ -136,8 +136,8 @@ def check_one_row(model, device, dtype, replays: int = 20) -> dict:
     the worst max |diff| / max |ref|, and the smallest fraction of outputs bit-equal to it."""
     from spark.engine.kernels import fused_moe
 
-    block = next(layer for layer in model.layers if layer.feed_forward is first_moe(model))
-    moe = block.feed_forward
+    moe = first_moe(model)
+    block = next(layer for layer in model.layers if layer.feed_forward is moe)
     args = (block.ffn_norm.weight, block.ffn_norm.eps, moe.gate.weight, moe.w13, moe.w2, moe.top_k, moe.renormalize)
     gen = torch.Generator(device=device).manual_seed(1)
     h = torch.randn(1, moe.w13.shape[2], generator=gen, device=device).to(dtype)
