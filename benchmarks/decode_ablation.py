@@ -182,6 +182,9 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     for bn, w in ((1, 4), (2, 1)):
         variants[f"down:{bn}x1024w{w}late"] = {
             "patch": {(fm, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w, EARLY=False))}, "rows": "one"}
+    # The down kernel's routing and weight rows loaded before its wait on gate/up (off since 2026-12-05's
+    # seventh session: 6.5 us a layer slower on an H100).
+    variants["early_down"] = {"patch": {(fm, "gemv_config"): gemv(down=dict(EARLY=True))}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemv(gate_up=gate_up, down=down)},
@@ -241,6 +244,8 @@ for n in (1, 2, 8):
 # ... and at 33-64 rows, where one program per (sequence, kv head) walks every key serially.
 for n in (2, 3, 4):
     variants[f"splits_rows:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b > 16 else real_choose(b, h, ctx), "rows": "dot"}
+# Split-KV's partitions merged by a reduce launch, as before 2026-12-05's seventh session (all batches).
+variants["unfused_reduce"] = {"patch": {(pa, "FUSED_REDUCE"): False}}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}

@@ -166,15 +166,16 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
     keep 2 warps for gate/up and 4 output rows a program for down (1024 programs of 224 KB for one
     Mixtral token); the one-token shapes were not measured there.
 
-    ``EARLY`` (down, one token of small experts): the picks and their whole rows of I load before the
-    wait on gate/up, while it streams its own weights; gate/up's programs all fit on the SMs at once and
-    pass their wait together, so the down kernel launches as gate/up starts. Not yet timed on a GPU
-    (decode_ablation's ``down:1x1024w4late`` is the shape without it).
+    ``EARLY`` (down, one token of small experts; off): the picks and their whole rows of I load before
+    the wait on gate/up, while it streams its own weights. Slower in that step on an H100: 310.4 tok/s
+    against 343.4 without (decode_ablation's ``down:1x1024w4late`` against ``early_down``, 6.5 us a
+    layer): 2048 programs of 4 warps, each routing the token again and holding its rows across the
+    wait, crowd gate/up's programs off the SMs.
     """
     np2 = small_linear.triton_next_power_of_2
     if inter <= SMALL_EXPERT and num_tokens == 1:
         return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=1),
-                    down=dict(BLOCK_N=1, BLOCK_K=np2(inter), num_warps=4, EARLY=True))
+                    down=dict(BLOCK_N=1, BLOCK_K=np2(inter), num_warps=4))
     return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=2),
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
 
