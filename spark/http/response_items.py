@@ -53,8 +53,40 @@ class ConversationRequest:
 
 
 @attrs.frozen(kw_only=True)
+class ConversationUpdate:
+    metadata: dict[str, Any] | None  # replaces the conversation's; null clears it (the SDK always sends the key)
+
+
+@attrs.frozen(kw_only=True)
 class ItemsRequest:
     items: list[dict[str, Any]]
+
+
+# OpenAI's bounds on the metadata of an object: a client that keeps within them here is served there too
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, Any] | None, *, param: str = "metadata") -> dict[str, str]:
+    """An object's metadata, checked as OpenAI checks it: at most 16 keys of at most 64 characters, each
+    with a string value of at most 512. None is no metadata.
+
+    Raises:
+      ApiError: 400 naming the key at fault (``metadata.topic``), or ``metadata`` for too many keys.
+    """
+    if metadata is None:
+        return {}
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ApiError(400, f"metadata holds at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param=param)
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ApiError(400, f"a metadata key has at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)}",
+                           param=f"{param}.{key}")
+        if not isinstance(value, str):
+            raise ApiError(400, f"metadata values are strings, got {type(value).__name__}", param=f"{param}.{key}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ApiError(400, f"a metadata value has at most {MAX_METADATA_VALUE_CHARS} characters, "
+                                f"got {len(value)}", param=f"{param}.{key}")
+    return metadata
 
 
 # -- input items -------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     POST   /v1/responses                       create (streamed or not); stored unless store=false
     GET    /v1/responses/{id}                  DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items
-    POST   /v1/conversations                   GET / DELETE /v1/conversations/{id}
+    POST   /v1/conversations                   GET / POST (update) / DELETE /v1/conversations/{id}
     GET    /v1/conversations/{id}/items        POST /v1/conversations/{id}/items
 
 A new turn continues ``previous_response_id`` (its chain's inputs and outputs) or a
@@ -33,8 +33,9 @@ from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import sampling_params, single_job
-from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
-                                       chat_messages, chat_tools, input_items, new_id, reasoning_text, usage)
+from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
+                                       ResponsesRequest, chat_messages, chat_tools, check_metadata, input_items,
+                                       new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
@@ -355,7 +356,7 @@ async def create_conversation():
     req = await request_body(ConversationRequest) if raw.strip() else ConversationRequest()
     items = input_items(req.items or [], param="items")
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
-                    "metadata": req.metadata or {}}
+                    "metadata": check_metadata(req.metadata)}
     await (await _store()).create_conversation(_owner(), conversation, items)
     return conversation
 
@@ -363,6 +364,15 @@ async def create_conversation():
 @bp.get("/v1/conversations/<cid>")
 async def get_conversation(cid: str):
     conversation = await (await _store()).get_conversation(_owner(), cid)
+    if conversation is None:
+        raise _not_found("conversation", cid)
+    return conversation
+
+
+@bp.post("/v1/conversations/<cid>")
+async def update_conversation(cid: str):
+    metadata = check_metadata((await request_body(ConversationUpdate)).metadata)
+    conversation = await (await _store()).update_conversation(_owner(), cid, metadata)
     if conversation is None:
         raise _not_found("conversation", cid)
     return conversation
@@ -390,3 +400,4 @@ async def add_conversation_items(cid: str):
     if not await (await _store()).append_conversation_items(_owner(), cid, items):
         raise _not_found("conversation", cid)
     return _list(items, False)
+

@@ -17,6 +17,7 @@ import typing
 import httpx
 import openai
 import pytest
+from openai.types.conversations import Conversation
 from openai.types.responses import Response, ResponseStreamEvent
 
 from spark.state import Store, owner_of
@@ -222,6 +223,39 @@ def test_conversation_of_three_turns(client, engine):
         client.conversations.retrieve(conv.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="replay", conversation=conv.id, input="x")
+
+
+def test_conversation_metadata_update(server, client):
+    conv = client.conversations.create(metadata={"topic": "names"})
+    updated = client.conversations.update(conv.id, metadata={"topic": "weather", "lang": "en"})
+    assert isinstance(updated, Conversation) and updated.id == conv.id and updated.created_at == conv.created_at
+    assert updated.metadata == {"topic": "weather", "lang": "en"}
+    assert client.conversations.retrieve(conv.id).model_dump() == updated.model_dump()
+    assert client.conversations.update(conv.id, metadata=None).metadata == {}  # null clears it
+    with pytest.raises(openai.NotFoundError) as info:
+        client.conversations.update("conv_missing", metadata={})
+    assert "conv_missing" in info.value.message and info.value.body["code"] == "not_found"
+    with _client(server, KEY_B) as other, pytest.raises(openai.NotFoundError):
+        other.conversations.update(conv.id, metadata={"evil": "1"})
+    assert client.conversations.retrieve(conv.id).metadata == {}
+
+
+# OpenAI's bounds: 16 keys, keys of 64 characters, string values of 512
+BAD_METADATA = [({f"k{n}": "v" for n in range(17)}, "metadata"), ({"k" * 65: "v"}, "metadata." + "k" * 65),
+                ({"k": "v" * 513}, "metadata.k"), ({"k": 1}, "metadata.k")]
+
+
+@pytest.mark.parametrize("metadata, param", BAD_METADATA, ids=["keys", "key", "value", "not-a-string"])
+def test_metadata_out_of_bounds_is_refused(client, metadata, param):
+    conv = client.conversations.create(metadata={"kept": "yes"})
+    for call in (lambda: client.conversations.create(metadata=metadata),
+                 lambda: client.conversations.update(conv.id, metadata=metadata)):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
+    assert client.conversations.retrieve(conv.id).metadata == {"kept": "yes"}
+    at_the_bounds = {f"{n:02d}" + "k" * 62: "v" * 512 for n in range(16)}
+    assert client.conversations.update(conv.id, metadata=at_the_bounds).metadata == at_the_bounds
 
 
 def test_a_failed_generation_is_streamed_and_stored_as_failed(server, client, engine):
