@@ -5,9 +5,11 @@
     GET    /v1/responses/{id}/input_items
     POST   /v1/conversations                   GET / POST (update) / DELETE /v1/conversations/{id}
     GET    /v1/conversations/{id}/items        POST /v1/conversations/{id}/items
+    GET    /v1/conversations/{id}/items/{item_id}    DELETE (answers the conversation, as OpenAI's)
 
 A new turn continues ``previous_response_id`` (its chain's inputs and outputs) or a
-``conversation`` (its items, to which the turn's input and output are appended when it ends).
+``conversation`` (its items, to which the turn's input and output are appended when it ends;
+an item deleted from it is gone from what the next turn reads).
 What a client is told exists is committed first: a streamed response is stored in_progress
 before ``response.created`` and updated before its last event; a non-streamed one before its
 body is sent. Every read, list and delete is scoped to the caller's API key: another key's
@@ -401,3 +403,27 @@ async def add_conversation_items(cid: str):
         raise _not_found("conversation", cid)
     return _list(items, False)
 
+
+@bp.get("/v1/conversations/<cid>/items/<item_id>")
+async def get_conversation_item(cid: str, item_id: str):
+    store = await _store()
+    item = await store.conversation_item(_owner(), cid, item_id)
+    if item is None:
+        raise await _item_not_found(store, cid, item_id)
+    return item
+
+
+@bp.delete("/v1/conversations/<cid>/items/<item_id>")
+async def delete_conversation_item(cid: str, item_id: str):
+    store = await _store()
+    conversation = await store.delete_conversation_item(_owner(), cid, item_id)
+    if conversation is None:
+        raise await _item_not_found(store, cid, item_id)
+    return conversation
+
+
+async def _item_not_found(store: AsyncStore, cid: str, item_id: str) -> ApiError:
+    """The 404 of a conversation item: it names the conversation when that is what is missing."""
+    if await store.get_conversation(_owner(), cid) is None:
+        return _not_found("conversation", cid)
+    return _not_found("item", item_id)

@@ -258,6 +258,42 @@ def test_metadata_out_of_bounds_is_refused(client, metadata, param):
     assert client.conversations.update(conv.id, metadata=at_the_bounds).metadata == at_the_bounds
 
 
+def test_conversation_items_retrieve_and_delete(server, client, engine):
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."},
+                                              {"type": "message", "role": "user", "content": "Forget me."}])
+    first = client.responses.create(model="replay", conversation=conv.id, input="Turn [hello]")
+    listed = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.content[0].text for i in listed] == ["My name is Ada.", "Forget me.", "Turn [hello]",
+                                                   first.output_text]
+    for item in listed:
+        assert client.conversations.items.retrieve(item.id, conversation_id=conv.id).model_dump() == item.model_dump()
+    forget = listed[1]
+    assert "Forget me." in engine.prompts[-1]
+    deleted = client.conversations.items.delete(forget.id, conversation_id=conv.id)
+    assert isinstance(deleted, Conversation) and deleted.id == conv.id  # OpenAI answers the conversation
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc").data] == \
+        [listed[0].id, listed[2].id, listed[3].id]
+    second = client.responses.create(model="replay", conversation=conv.id, input="Again [second]")
+    assert second.output_text == REPLIES["[second]"]
+    assert "My name is Ada." in engine.prompts[-1] and "Forget me." not in engine.prompts[-1]
+    for call in (lambda: client.conversations.items.retrieve(forget.id, conversation_id=conv.id),
+                 lambda: client.conversations.items.delete(forget.id, conversation_id=conv.id)):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert forget.id in info.value.message and conv.id not in info.value.message
+    for call in (lambda: client.conversations.items.retrieve(listed[0].id, conversation_id="conv_missing"),
+                 lambda: client.conversations.items.delete(listed[0].id, conversation_id="conv_missing")):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert "conv_missing" in info.value.message and info.value.body["code"] == "not_found"
+    with _client(server, KEY_B) as other:
+        for call in (lambda: other.conversations.items.retrieve(listed[0].id, conversation_id=conv.id),
+                     lambda: other.conversations.items.delete(listed[0].id, conversation_id=conv.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+    assert client.conversations.items.retrieve(listed[0].id, conversation_id=conv.id).id == listed[0].id
+
+
 def test_a_failed_generation_is_streamed_and_stored_as_failed(server, client, engine):
     engine.fail_if = lambda plan: True
     try:
