@@ -6,11 +6,14 @@ items plus the streamed ``response.*`` events that build them.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from spark.actors.messages import TokenLogprob
 from spark.http.errors import ApiError
+from spark.http.output_tokens import OutputTokens
 from spark.http.turn import ContentDelta, ReasoningDelta, RefusalDelta, ToolCallDelta
 from spark.parsers.citations import extract_citations
 
@@ -233,7 +236,8 @@ class OutputBuilder:
     One item per run of a kind: reasoning, a message, or a function call. Whitespace before a
     message's first visible character is held back (the newlines between tool calls make no item).
     A refusal is a message whose part is ``{"type": "refusal"}``. With ``citations``, a message's
-    links become its text's ``url_citation`` annotations when it ends.
+    links become its text's ``url_citation`` annotations when it ends. Tokens given to ``add_tokens``
+    become the ``logprobs`` of the message text they write.
     ``output`` holds the items, final once ``close`` was called.
     """
 
@@ -242,10 +246,20 @@ class OutputBuilder:
         self._open: dict | None = None
         self._blank = ""
         self._citations = citations
+        self._tokens = OutputTokens()
+
+    def add_tokens(self, logprobs: Sequence[TokenLogprob]) -> None:
+        """Tokens just generated (``output_tokens.text_tokens`` of a piece), given before their piece's events.
+
+        The message text they write takes them as its logprobs; the reasoning, refusal or call they write
+        drops them, as OpenAI shows the logprobs of output text only.
+        """
+        self._tokens.add(logprobs)
 
     def feed(self, event) -> list[dict]:
         out: list[dict] = []
         if isinstance(event, ReasoningDelta) and event.text:
+            self._tokens.take(event.text)
             if not self._is_open("reasoning"):
                 out += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []},
                                  {"type": "reasoning_text", "text": ""})
@@ -259,8 +273,12 @@ class OutputBuilder:
                 text, self._blank = self._blank + text, ""
                 out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
                                  {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            out.append(self._text_delta("response.output_text.delta", text, logprobs=[]))
+            tokens = self._tokens.take(text)
+            part = self._open["content"][0]
+            part["logprobs"] = part["logprobs"] + tokens  # a new list: the events before share the old one
+            out.append(self._text_delta("response.output_text.delta", text, logprobs=tokens))
         elif isinstance(event, RefusalDelta) and event.text:
+            self._tokens.take(event.text)
             if not self._is_open("message") or self._open["content"][0]["type"] != "refusal":
                 out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
                                  {"type": "refusal", "refusal": ""})
@@ -268,6 +286,7 @@ class OutputBuilder:
             out.append({"type": "response.refusal.delta", "item_id": self._open["id"],
                         "output_index": len(self.output) - 1, "content_index": 0, "delta": event.text})
         elif isinstance(event, ToolCallDelta):
+            self._tokens.drop()  # its arguments are JSON written anew, not the tokens' text
             if event.id is not None:
                 out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": event.id,
                                   "name": event.name, "arguments": "", "status": "in_progress"})
@@ -325,7 +344,7 @@ class OutputBuilder:
                         out.append({"type": "response.output_text.annotation.added", **where, "annotation_index": n,
                                     "annotation": part["annotations"][-1]})
                 kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
-                extra = {"logprobs": []} if part["type"] == "output_text" else {}
+                extra = {"logprobs": part["logprobs"]} if part["type"] == "output_text" else {}
                 out.append({"type": kind, **where, "text": part["text"], **extra})
             out.append({"type": "response.content_part.done", **where, "part": dict(part)})
         if item["type"] != "reasoning":
