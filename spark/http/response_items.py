@@ -45,6 +45,8 @@ class ResponsesRequest:
     text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}} (spark.http.structured)
     user: str | None = None
     truncation: str | None = None  # auto | disabled; None: auto (Spark compacts what outgrows the context)
+    include: list[str] | None = None  # INCLUDABLE; OUTPUT_TEXT_LOGPROBS is the one that adds anything
+    top_logprobs: int | None = None  # alternatives per token, with OUTPUT_TEXT_LOGPROBS included
     speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
     tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
 
@@ -90,6 +92,28 @@ def check_metadata(metadata: dict[str, Any] | None, *, param: str = "metadata") 
             raise ApiError(400, f"a metadata value has at most {MAX_METADATA_VALUE_CHARS} characters, "
                                 f"got {len(value)}", param=f"{param}.{key}")
     return metadata
+
+
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+# What OpenAI's ``include`` may name (the SDK's ``ResponseIncludable``). Spark hosts no tools and reads no images,
+# and its reasoning items hold their text in the clear, so the others have nothing to add here: they are
+# accepted and change nothing (clients such as Codex always send ``reasoning.encrypted_content``).
+INCLUDABLE = frozenset({
+    OUTPUT_TEXT_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs"})
+
+
+def check_include(include: list[str] | None) -> None:
+    """Refuse an ``include`` value that OpenAI does not define either, as OpenAI does.
+
+    Raises:
+      ApiError: 400 naming the value (``include[1]``).
+    """
+    for i, value in enumerate(include or ()):
+        if value not in INCLUDABLE:
+            raise ApiError(400, f"unknown include value {value!r}; the values are {', '.join(sorted(INCLUDABLE))}",
+                           param=f"include[{i}]")
 
 
 # -- input items -------------------------------------------------------------------------

@@ -14,6 +14,10 @@ What a client is told exists is committed first: a streamed response is stored i
 before ``response.created`` and updated before its last event; a non-streamed one before its
 body is sent. Every read, list and delete is scoped to the caller's API key: another key's
 objects answer 404 as if absent.
+
+``include=["message.output_text.logprobs"]`` (and ``top_logprobs`` alternatives) gives each output
+text, and each of its streamed deltas, the logprobs of the tokens that wrote it (``spark.http.output_tokens``);
+without it none are computed.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
 from spark.http.gateway import generates
-from spark.http.params import sampling_params, single_job
+from spark.http.output_tokens import text_tokens
+from spark.http.params import logprobs_k, sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
-                                       ResponsesRequest, chat_messages, chat_tools, check_metadata, input_items,
-                                       new_id, reasoning_text, usage)
+                                       ResponsesRequest, chat_messages, chat_tools, check_include, check_metadata,
+                                       input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
-from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
+from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps
 from spark.state import AsyncStore, Store, owner_of
 
 bp = Blueprint("responses", __name__)
@@ -100,8 +105,9 @@ def _not_found(kind: str, oid: str, param: str | None = None) -> ApiError:
 @generates(bp, "/v1/responses")
 async def create_response(serving: Serving):
     req = await request_body(ResponsesRequest)
+    check_include(req.include)
     params = sampling_params(serving.limits, {"temperature": req.temperature, "top_p": req.top_p},
-                             max_tokens=req.max_output_tokens, param="max_output_tokens")
+                             max_tokens=req.max_output_tokens, param="max_output_tokens", logprobs=logprobs_k(req))
     owner = _owner()
     # store=false needs the store only to read what it continues: a stateless server makes no file
     store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
@@ -186,7 +192,7 @@ def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id:
             "model": model, "output": [], "error": None, "incomplete_details": None, "usage": None,
             "instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "top_p": req.top_p, "top_logprobs": req.top_logprobs, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
             "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
@@ -222,7 +228,7 @@ class _Run:
         yield {"type": "response.created", "response": self.head}
         yield {"type": "response.in_progress", "response": self.head}
         try:
-            async with aclosing(turn_events(fanin, parser)) as events:
+            async with aclosing(_turn_events(fanin, parser, builder)) as events:
                 async for event in events:
                     if not isinstance(event, TurnDone):
                         for out in builder.feed(event):
@@ -288,6 +294,17 @@ class _Run:
             log.exception("response %s failed", self.head["id"])
             yield _sse_event({"type": "error", "code": "server_error", "message": _describe(exc), "param": None,
                               "sequence_number": seq})
+
+
+async def _turn_events(fanin: FanIn, parser: TurnParser, builder: OutputBuilder):
+    """The turn's events, one by one (``turn_steps`` with one parser); each piece's tokens go to ``builder``
+    before its events, so that the message text they write takes their logprobs."""
+    async with aclosing(turn_steps(fanin, [parser])) as steps:
+        async for _, piece, events in steps:
+            if piece is not None:
+                builder.add_tokens(text_tokens(piece))  # none unless the request included the logprobs
+            for event in events:
+                yield event
 
 
 def _sse_event(event: dict) -> bytes:

@@ -178,10 +178,11 @@ STREAM_EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
 SHAPES = [{"input": "Hi [hello]", "instructions": "Be kind.", "metadata": {"k": "v"}},
           {"input": "Pick [think]", "reasoning": {"effort": "low"}},
           {"input": "Weather? [call]", "tools": [WEATHER], "tool_choice": "auto"},
-          {"input": "Go [long]", "max_output_tokens": 4, "truncation": "disabled"}]  # incomplete
+          {"input": "Go [long]", "max_output_tokens": 4, "truncation": "disabled"},  # incomplete
+          {"input": "Hi [hello]", "include": ["message.output_text.logprobs"], "top_logprobs": 1}]
 
 
-@pytest.mark.parametrize("body", SHAPES, ids=["text", "reasoning", "call", "incomplete"])
+@pytest.mark.parametrize("body", SHAPES, ids=["text", "reasoning", "call", "incomplete", "logprobs"])
 def test_bodies_and_events_are_the_sdks_types_strictly(server, engine, body):
     body = {"model": "replay", **body}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http:
@@ -350,6 +351,40 @@ def test_bad_requests(client):
     assert info.value.body["param"] == "input[0].call_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
+
+
+def test_logprobs_are_computed_only_when_included(client, engine):
+    r = client.responses.create(model="replay", input="Hi [hello]", include=["message.output_text.logprobs"],
+                                top_logprobs=1)
+    assert engine.params[-1].logprobs == 1
+    logprobs = r.output[0].content[0].logprobs
+    assert "".join(lp.token for lp in logprobs) == r.output_text == REPLIES["[hello]"]
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == logprobs  # stored with the text
+    plain = client.responses.create(model="replay", input="Hi [hello]", top_logprobs=5)
+    assert engine.params[-1].logprobs is None and plain.output[0].content[0].logprobs == []
+    # the other values OpenAI defines name items Spark never makes: accepted, they add nothing
+    client.responses.create(model="replay", input="Hi [hello]",
+                            include=["reasoning.encrypted_content", "file_search_call.results"])
+    assert engine.params[-1].logprobs is None
+    call = client.responses.create(model="replay", input="Weather? [call]", tools=[WEATHER],
+                                   include=["message.output_text.logprobs"])
+    assert [o.type for o in call.output] == ["function_call"]  # a call's tokens are no output text's
+    for _ in range(3):  # pieces merge or not, as the reader keeps up: the reasoning's tokens never join the text
+        think = client.responses.create(model="replay", input="Pick [think]", reasoning={"effort": "low"},
+                                        include=["message.output_text.logprobs"])
+        assert "".join(lp.token for lp in think.output[1].content[0].logprobs) == think.output_text == "Seven."
+
+
+BAD_LOGPROBS = [({"top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": -1}, "top_logprobs"),
+                ({"include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs"),
+                ({"include": ["message.output_text.logprobs", "nope"]}, "include[1]")]  # a value OpenAI lacks too
+
+
+@pytest.mark.parametrize("body, param", BAD_LOGPROBS, ids=["21", "-1", "99-included", "unknown-include"])
+def test_bad_logprobs_requests(client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="replay", input="Hi [hello]", **body)
+    assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
 def test_a_restart_keeps_what_was_stored(engine, state_path, server):
