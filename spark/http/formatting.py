@@ -66,13 +66,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 # -- chat -----------------------------------------------------------------------
 
 
+def token_logprobs(logprobs: Sequence[TokenLogprob]) -> list[dict]:
+    """One entry per token, with its alternatives: chat's ``logprobs.content``, and the Responses API's
+    ``output_text`` logprobs, which have the same shape."""
+    return [{"token": lp.token, "logprob": lp.logprob, "bytes": token_bytes(lp.token),
+             "top_logprobs": [{"token": t, "logprob": p, "bytes": token_bytes(t)} for _, t, p in lp.top]}
+            for lp in logprobs]
+
+
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict:
-    """``choices[].logprobs`` of a chat completion: one entry per token, with its alternatives."""
-    return {"content": [
-        {"token": lp.token, "logprob": lp.logprob, "bytes": token_bytes(lp.token),
-         "top_logprobs": [{"token": t, "logprob": p, "bytes": token_bytes(t)} for _, t, p in lp.top]}
-        for lp in logprobs
-    ]}
+    """``choices[].logprobs`` of a chat completion."""
+    return {"content": token_logprobs(logprobs)}
 
 
 def chat_chunk(head: dict, index: int, delta: dict, *, finish_reason: str | None = None,

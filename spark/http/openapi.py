@@ -29,7 +29,7 @@ from spark.http.admin import DownRequest, UpRequest
 from spark.http.anthropic import PREFIX as ANTHROPIC_PREFIX
 from spark.http.anthropic import CountTokensRequest, MessagesRequest
 from spark.http.gateway import UPSTREAM_ONLY
-from spark.http.response_items import ConversationRequest, ItemsRequest, ResponsesRequest
+from spark.http.response_items import ConversationRequest, ConversationUpdate, ItemsRequest, ResponsesRequest
 from spark.http.schemas import ChatRequest, CompletionRequest, Prompt
 from spark.http.tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -43,6 +43,7 @@ BODIES: dict[str, type] = {
     "anthropic.count_tokens": CountTokensRequest,
     "responses.create_response": ResponsesRequest,
     "responses.create_conversation": ConversationRequest,
+    "responses.update_conversation": ConversationUpdate,
     "responses.add_conversation_items": ItemsRequest,
     "inference_admin.up": UpRequest,
     "inference_admin.down": DownRequest,

@@ -19,6 +19,7 @@ from spark.core.grammar import GrammarSpec
 from spark.core.scheduler import PrefixPin
 from spark.engine.sampling import MAX_LOGPROBS, SamplingParams
 from spark.http.errors import ApiError
+from spark.http.response_items import OUTPUT_TEXT_LOGPROBS, ResponsesRequest
 from spark.http.structured import output_schema
 from spark.http.schemas import ChatRequest, CompletionRequest, MessageToolCall, SamplingFields
 from spark.http.turn import ToolChoice, effort_thinking
@@ -312,15 +313,23 @@ def single_job(request_id: str, prompt: Sequence[int], params: SamplingParams, l
     return Job((request,), len(prompt), stream, include_usage=False)
 
 
-def logprobs_k(req: ChatRequest | CompletionRequest) -> int | None:
+def logprobs_k(req: ChatRequest | CompletionRequest | ResponsesRequest) -> int | None:
     """``SamplingParams.logprobs``: for chat, None unless ``logprobs`` is true, then ``top_logprobs``
-    alternatives; for completions, the ``logprobs`` count."""
+    alternatives; for Responses, None unless ``include`` names the output text's logprobs, then
+    ``top_logprobs`` alternatives (checked either way, as OpenAI's); for completions, the ``logprobs`` count."""
     if isinstance(req, CompletionRequest):
         k, param = req.logprobs, "logprobs"
+    elif isinstance(req, ResponsesRequest):
+        _check_logprobs_k(req.top_logprobs, "top_logprobs")
+        return (req.top_logprobs or 0) if OUTPUT_TEXT_LOGPROBS in (req.include or ()) else None
     else:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         k, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    _check_logprobs_k(k, param)
+    return k
+
+
+def _check_logprobs_k(k: int | None, param: str) -> None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param)
-    return k

@@ -6,11 +6,14 @@ items plus the streamed ``response.*`` events that build them.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from spark.actors.messages import TokenLogprob
 from spark.http.errors import ApiError
+from spark.http.output_tokens import OutputTokens
 from spark.http.turn import ContentDelta, ReasoningDelta, RefusalDelta, ToolCallDelta
 from spark.parsers.citations import extract_citations
 
@@ -42,6 +45,8 @@ class ResponsesRequest:
     text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}} (spark.http.structured)
     user: str | None = None
     truncation: str | None = None  # auto | disabled; None: auto (Spark compacts what outgrows the context)
+    include: list[str] | None = None  # INCLUDABLE; OUTPUT_TEXT_LOGPROBS is the one that adds anything
+    top_logprobs: int | None = None  # alternatives per token, with OUTPUT_TEXT_LOGPROBS included
     speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
     tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
 
@@ -53,8 +58,62 @@ class ConversationRequest:
 
 
 @attrs.frozen(kw_only=True)
+class ConversationUpdate:
+    metadata: dict[str, Any] | None  # replaces the conversation's; null clears it (the SDK always sends the key)
+
+
+@attrs.frozen(kw_only=True)
 class ItemsRequest:
     items: list[dict[str, Any]]
+
+
+# OpenAI's bounds on the metadata of an object: a client that keeps within them here is served there too
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, Any] | None, *, param: str = "metadata") -> dict[str, str]:
+    """An object's metadata, checked as OpenAI checks it: at most 16 keys of at most 64 characters, each
+    with a string value of at most 512. None is no metadata.
+
+    Raises:
+      ApiError: 400 naming the key at fault (``metadata.topic``), or ``metadata`` for too many keys.
+    """
+    if metadata is None:
+        return {}
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ApiError(400, f"metadata holds at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param=param)
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ApiError(400, f"a metadata key has at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)}",
+                           param=f"{param}.{key}")
+        if not isinstance(value, str):
+            raise ApiError(400, f"metadata values are strings, got {type(value).__name__}", param=f"{param}.{key}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ApiError(400, f"a metadata value has at most {MAX_METADATA_VALUE_CHARS} characters, "
+                                f"got {len(value)}", param=f"{param}.{key}")
+    return metadata
+
+
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+# What OpenAI's ``include`` may name (the SDK's ``ResponseIncludable``). Spark hosts no tools and reads no images,
+# and its reasoning items hold their text in the clear, so the others have nothing to add here: they are
+# accepted and change nothing (clients such as Codex always send ``reasoning.encrypted_content``).
+INCLUDABLE = frozenset({
+    OUTPUT_TEXT_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs"})
+
+
+def check_include(include: list[str] | None) -> None:
+    """Refuse an ``include`` value that OpenAI does not define either, as OpenAI does.
+
+    Raises:
+      ApiError: 400 naming the value (``include[1]``).
+    """
+    for i, value in enumerate(include or ()):
+        if value not in INCLUDABLE:
+            raise ApiError(400, f"unknown include value {value!r}; the values are {', '.join(sorted(INCLUDABLE))}",
+                           param=f"include[{i}]")
 
 
 # -- input items -------------------------------------------------------------------------
@@ -201,7 +260,8 @@ class OutputBuilder:
     One item per run of a kind: reasoning, a message, or a function call. Whitespace before a
     message's first visible character is held back (the newlines between tool calls make no item).
     A refusal is a message whose part is ``{"type": "refusal"}``. With ``citations``, a message's
-    links become its text's ``url_citation`` annotations when it ends.
+    links become its text's ``url_citation`` annotations when it ends. Tokens given to ``add_tokens``
+    become the ``logprobs`` of the message text they write.
     ``output`` holds the items, final once ``close`` was called.
     """
 
@@ -210,10 +270,20 @@ class OutputBuilder:
         self._open: dict | None = None
         self._blank = ""
         self._citations = citations
+        self._tokens = OutputTokens()
+
+    def add_tokens(self, logprobs: Sequence[TokenLogprob]) -> None:
+        """Tokens just generated (``output_tokens.text_tokens`` of a piece), given before their piece's events.
+
+        The message text they write takes them as its logprobs; the reasoning, refusal or call they write
+        drops them, as OpenAI shows the logprobs of output text only.
+        """
+        self._tokens.add(logprobs)
 
     def feed(self, event) -> list[dict]:
         out: list[dict] = []
         if isinstance(event, ReasoningDelta) and event.text:
+            self._tokens.take(event.text)
             if not self._is_open("reasoning"):
                 out += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []},
                                  {"type": "reasoning_text", "text": ""})
@@ -227,8 +297,12 @@ class OutputBuilder:
                 text, self._blank = self._blank + text, ""
                 out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
                                  {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            out.append(self._text_delta("response.output_text.delta", text, logprobs=[]))
+            tokens = self._tokens.take(text)
+            part = self._open["content"][0]
+            part["logprobs"] = part["logprobs"] + tokens  # a new list: the events before share the old one
+            out.append(self._text_delta("response.output_text.delta", text, logprobs=tokens))
         elif isinstance(event, RefusalDelta) and event.text:
+            self._tokens.take(event.text)
             if not self._is_open("message") or self._open["content"][0]["type"] != "refusal":
                 out += self._add({**message_item("assistant", "", status="in_progress"), "content": []},
                                  {"type": "refusal", "refusal": ""})
@@ -236,6 +310,7 @@ class OutputBuilder:
             out.append({"type": "response.refusal.delta", "item_id": self._open["id"],
                         "output_index": len(self.output) - 1, "content_index": 0, "delta": event.text})
         elif isinstance(event, ToolCallDelta):
+            self._tokens.drop()  # its arguments are JSON written anew, not the tokens' text
             if event.id is not None:
                 out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": event.id,
                                   "name": event.name, "arguments": "", "status": "in_progress"})
@@ -293,7 +368,7 @@ class OutputBuilder:
                         out.append({"type": "response.output_text.annotation.added", **where, "annotation_index": n,
                                     "annotation": part["annotations"][-1]})
                 kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
-                extra = {"logprobs": []} if part["type"] == "output_text" else {}
+                extra = {"logprobs": part["logprobs"]} if part["type"] == "output_text" else {}
                 out.append({"type": kind, **where, "text": part["text"], **extra})
             out.append({"type": "response.content_part.done", **where, "part": dict(part)})
         if item["type"] != "reasoning":

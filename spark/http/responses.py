@@ -3,15 +3,21 @@
     POST   /v1/responses                       create (streamed or not); stored unless store=false
     GET    /v1/responses/{id}                  DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items
-    POST   /v1/conversations                   GET / DELETE /v1/conversations/{id}
+    POST   /v1/conversations                   GET / POST (update) / DELETE /v1/conversations/{id}
     GET    /v1/conversations/{id}/items        POST /v1/conversations/{id}/items
+    GET    /v1/conversations/{id}/items/{item_id}    DELETE (answers the conversation, as OpenAI's)
 
 A new turn continues ``previous_response_id`` (its chain's inputs and outputs) or a
-``conversation`` (its items, to which the turn's input and output are appended when it ends).
+``conversation`` (its items, to which the turn's input and output are appended when it ends;
+an item deleted from it is gone from what the next turn reads).
 What a client is told exists is committed first: a streamed response is stored in_progress
 before ``response.created`` and updated before its last event; a non-streamed one before its
 body is sent. Every read, list and delete is scoped to the caller's API key: another key's
 objects answer 404 as if absent.
+
+``include=["message.output_text.logprobs"]`` (and ``top_logprobs`` alternatives) gives each output
+text, and each of its streamed deltas, the logprobs of the tokens that wrote it (``spark.http.output_tokens``);
+without it none are computed.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
 from spark.http.gateway import generates
-from spark.http.params import sampling_params, single_job
-from spark.http.response_items import (ConversationRequest, ItemsRequest, OutputBuilder, ResponsesRequest,
-                                       chat_messages, chat_tools, input_items, new_id, reasoning_text, usage)
+from spark.http.output_tokens import text_tokens
+from spark.http.params import logprobs_k, sampling_params, single_job
+from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
+                                       ResponsesRequest, chat_messages, chat_tools, check_include, check_metadata,
+                                       input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
-from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_events
+from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps
 from spark.state import AsyncStore, Store, owner_of
 
 bp = Blueprint("responses", __name__)
@@ -97,8 +105,9 @@ def _not_found(kind: str, oid: str, param: str | None = None) -> ApiError:
 @generates(bp, "/v1/responses")
 async def create_response(serving: Serving):
     req = await request_body(ResponsesRequest)
+    check_include(req.include)
     params = sampling_params(serving.limits, {"temperature": req.temperature, "top_p": req.top_p},
-                             max_tokens=req.max_output_tokens, param="max_output_tokens")
+                             max_tokens=req.max_output_tokens, param="max_output_tokens", logprobs=logprobs_k(req))
     owner = _owner()
     # store=false needs the store only to read what it continues: a stateless server makes no file
     store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
@@ -183,7 +192,7 @@ def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id:
             "model": model, "output": [], "error": None, "incomplete_details": None, "usage": None,
             "instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "top_p": req.top_p, "top_logprobs": req.top_logprobs, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
             "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
@@ -219,7 +228,7 @@ class _Run:
         yield {"type": "response.created", "response": self.head}
         yield {"type": "response.in_progress", "response": self.head}
         try:
-            async with aclosing(turn_events(fanin, parser)) as events:
+            async with aclosing(_turn_events(fanin, parser, builder)) as events:
                 async for event in events:
                     if not isinstance(event, TurnDone):
                         for out in builder.feed(event):
@@ -285,6 +294,17 @@ class _Run:
             log.exception("response %s failed", self.head["id"])
             yield _sse_event({"type": "error", "code": "server_error", "message": _describe(exc), "param": None,
                               "sequence_number": seq})
+
+
+async def _turn_events(fanin: FanIn, parser: TurnParser, builder: OutputBuilder):
+    """The turn's events, one by one (``turn_steps`` with one parser); each piece's tokens go to ``builder``
+    before its events, so that the message text they write takes their logprobs."""
+    async with aclosing(turn_steps(fanin, [parser])) as steps:
+        async for _, piece, events in steps:
+            if piece is not None:
+                builder.add_tokens(text_tokens(piece))  # none unless the request included the logprobs
+            for event in events:
+                yield event
 
 
 def _sse_event(event: dict) -> bytes:
@@ -355,7 +375,7 @@ async def create_conversation():
     req = await request_body(ConversationRequest) if raw.strip() else ConversationRequest()
     items = input_items(req.items or [], param="items")
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
-                    "metadata": req.metadata or {}}
+                    "metadata": check_metadata(req.metadata)}
     await (await _store()).create_conversation(_owner(), conversation, items)
     return conversation
 
@@ -363,6 +383,15 @@ async def create_conversation():
 @bp.get("/v1/conversations/<cid>")
 async def get_conversation(cid: str):
     conversation = await (await _store()).get_conversation(_owner(), cid)
+    if conversation is None:
+        raise _not_found("conversation", cid)
+    return conversation
+
+
+@bp.post("/v1/conversations/<cid>")
+async def update_conversation(cid: str):
+    metadata = check_metadata((await request_body(ConversationUpdate)).metadata)
+    conversation = await (await _store()).update_conversation(_owner(), cid, metadata)
     if conversation is None:
         raise _not_found("conversation", cid)
     return conversation
@@ -390,3 +419,28 @@ async def add_conversation_items(cid: str):
     if not await (await _store()).append_conversation_items(_owner(), cid, items):
         raise _not_found("conversation", cid)
     return _list(items, False)
+
+
+@bp.get("/v1/conversations/<cid>/items/<item_id>")
+async def get_conversation_item(cid: str, item_id: str):
+    store = await _store()
+    item = await store.conversation_item(_owner(), cid, item_id)
+    if item is None:
+        raise await _item_not_found(store, cid, item_id)
+    return item
+
+
+@bp.delete("/v1/conversations/<cid>/items/<item_id>")
+async def delete_conversation_item(cid: str, item_id: str):
+    store = await _store()
+    conversation = await store.delete_conversation_item(_owner(), cid, item_id)
+    if conversation is None:
+        raise await _item_not_found(store, cid, item_id)
+    return conversation
+
+
+async def _item_not_found(store: AsyncStore, cid: str, item_id: str) -> ApiError:
+    """The 404 of a conversation item: it names the conversation when that is what is missing."""
+    if await store.get_conversation(_owner(), cid) is None:
+        return _not_found("conversation", cid)
+    return _not_found("item", item_id)

@@ -215,6 +215,40 @@ class Store:
                 return None
             return self._page(db, conversation_id, after, limit, order)
 
+    def update_conversation(self, owner: str, conversation_id: str, metadata: dict) -> dict | None:
+        """Replace a conversation's metadata; returns the conversation as it now is, or None when it is absent."""
+        with self._write(keep=conversation_id) as db:
+            row = db.execute("SELECT body FROM conversations WHERE id = ? AND owner = ?",
+                             (conversation_id, owner)).fetchone()
+            if row is None:
+                return None
+            conversation = {**json.loads(row[0]), "metadata": metadata}
+            body = _dump(conversation)
+            db.execute("UPDATE conversations SET body = ?, bytes = ?, used_at = ? WHERE id = ?",
+                       (body, len(body), self.clock(), conversation_id))
+        return conversation
+
+    def conversation_item(self, owner: str, conversation_id: str, item_id: str) -> dict | None:
+        """One item of a conversation, or None when it (or the conversation) is absent. Ids a client gave
+        its items may repeat: the first such item is the one named."""
+        with self._read() as db:
+            row = db.execute("SELECT i.body FROM items i JOIN conversations c ON c.id = i.parent "
+                             "WHERE c.id = ? AND c.owner = ? AND i.id = ? ORDER BY i.position LIMIT 1",
+                             (conversation_id, owner, item_id)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> dict | None:
+        """Remove an item from a conversation (every item of that id): the history a later turn reads
+        no longer holds it. Returns the conversation, or None when it or the item is absent."""
+        with self._write(keep=conversation_id) as db:
+            row = db.execute("SELECT body FROM conversations WHERE id = ? AND owner = ?",
+                             (conversation_id, owner)).fetchone()
+            if row is None or db.execute("DELETE FROM items WHERE parent = ? AND id = ?",
+                                         (conversation_id, item_id)).rowcount == 0:
+                return None
+            db.execute("UPDATE conversations SET used_at = ? WHERE id = ?", (self.clock(), conversation_id))
+        return json.loads(row[0])
+
     def append_conversation_items(self, owner: str, conversation_id: str, items: Sequence[dict]) -> bool:
         """Add items at the end of a conversation; False when it is absent (deleted or evicted meanwhile)."""
         with self._write(keep=conversation_id) as db:

@@ -81,7 +81,8 @@ SEEDS: dict[str, list[dict]] = {
     "POST /v1/responses": [
         {"input": "hi", "max_output_tokens": 2},
         {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2, "store": False, "stream": True,
-         "instructions": "Be brief.", "reasoning": {"effort": "low"}},
+         "instructions": "Be brief.", "reasoning": {"effort": "low"}, "include": ["message.output_text.logprobs"],
+         "top_logprobs": 2},
         {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
                    {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
                    {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
@@ -97,6 +98,7 @@ SEEDS: dict[str, list[dict]] = {
                                {"items": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
                                            "content": [{"type": "reasoning_text", "text": "r"}]},
                                           {"type": "message", "role": "assistant", "content": "ok"}]}],
+    "POST /v1/conversations/{cid}": [{"metadata": {"k": "v"}}, {"metadata": None}],
     "POST /v1/conversations/{cid}/items": [{"items": [{"role": "assistant", "content": "hello"}]}],
     "POST /tokenize": [{"prompt": "Hello"}, {"messages": [{"role": "user", "content": "hi"}],
                                             "add_generation_prompt": False, "return_token_strs": True}],

@@ -37,11 +37,12 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def fuzzer(server, doc, http):
-    """A fuzzer that also draws the ids of a real conversation and a real stored response."""
+    """A fuzzer that also draws the ids of a real conversation, its item and a real stored response."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    cid = http.post("/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]}, headers=auth)
+    cid = http.post("/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]}, headers=auth).json()["id"]
+    item = http.get(f"/v1/conversations/{cid}/items", headers=auth).json()["data"][0]["id"]
     rid = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1}, headers=auth)
-    ids = {"cid": [cid.json()["id"]], "rid": [rid.json()["id"]], "name": [server.model, "sparky"]}
+    ids = {"cid": [cid], "item_id": [item], "rid": [rid.json()["id"]], "name": [server.model, "sparky"]}
     return fuzzing.Fuzzer(doc, ids=ids, api_key=API_KEY)
 
 

@@ -17,6 +17,7 @@ import typing
 import httpx
 import openai
 import pytest
+from openai.types.conversations import Conversation
 from openai.types.responses import Response, ResponseStreamEvent
 
 from spark.state import Store, owner_of
@@ -177,10 +178,11 @@ STREAM_EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
 SHAPES = [{"input": "Hi [hello]", "instructions": "Be kind.", "metadata": {"k": "v"}},
           {"input": "Pick [think]", "reasoning": {"effort": "low"}},
           {"input": "Weather? [call]", "tools": [WEATHER], "tool_choice": "auto"},
-          {"input": "Go [long]", "max_output_tokens": 4, "truncation": "disabled"}]  # incomplete
+          {"input": "Go [long]", "max_output_tokens": 4, "truncation": "disabled"},  # incomplete
+          {"input": "Hi [hello]", "include": ["message.output_text.logprobs"], "top_logprobs": 1}]
 
 
-@pytest.mark.parametrize("body", SHAPES, ids=["text", "reasoning", "call", "incomplete"])
+@pytest.mark.parametrize("body", SHAPES, ids=["text", "reasoning", "call", "incomplete", "logprobs"])
 def test_bodies_and_events_are_the_sdks_types_strictly(server, engine, body):
     body = {"model": "replay", **body}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http:
@@ -222,6 +224,75 @@ def test_conversation_of_three_turns(client, engine):
         client.conversations.retrieve(conv.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="replay", conversation=conv.id, input="x")
+
+
+def test_conversation_metadata_update(server, client):
+    conv = client.conversations.create(metadata={"topic": "names"})
+    updated = client.conversations.update(conv.id, metadata={"topic": "weather", "lang": "en"})
+    assert isinstance(updated, Conversation) and updated.id == conv.id and updated.created_at == conv.created_at
+    assert updated.metadata == {"topic": "weather", "lang": "en"}
+    assert client.conversations.retrieve(conv.id).model_dump() == updated.model_dump()
+    assert client.conversations.update(conv.id, metadata=None).metadata == {}  # null clears it
+    with pytest.raises(openai.NotFoundError) as info:
+        client.conversations.update("conv_missing", metadata={})
+    assert "conv_missing" in info.value.message and info.value.body["code"] == "not_found"
+    with _client(server, KEY_B) as other, pytest.raises(openai.NotFoundError):
+        other.conversations.update(conv.id, metadata={"evil": "1"})
+    assert client.conversations.retrieve(conv.id).metadata == {}
+
+
+# OpenAI's bounds: 16 keys, keys of 64 characters, string values of 512
+BAD_METADATA = [({f"k{n}": "v" for n in range(17)}, "metadata"), ({"k" * 65: "v"}, "metadata." + "k" * 65),
+                ({"k": "v" * 513}, "metadata.k"), ({"k": 1}, "metadata.k")]
+
+
+@pytest.mark.parametrize("metadata, param", BAD_METADATA, ids=["keys", "key", "value", "not-a-string"])
+def test_metadata_out_of_bounds_is_refused(client, metadata, param):
+    conv = client.conversations.create(metadata={"kept": "yes"})
+    for call in (lambda: client.conversations.create(metadata=metadata),
+                 lambda: client.conversations.update(conv.id, metadata=metadata)):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
+    assert client.conversations.retrieve(conv.id).metadata == {"kept": "yes"}
+    at_the_bounds = {f"{n:02d}" + "k" * 62: "v" * 512 for n in range(16)}
+    assert client.conversations.update(conv.id, metadata=at_the_bounds).metadata == at_the_bounds
+
+
+def test_conversation_items_retrieve_and_delete(server, client, engine):
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."},
+                                              {"type": "message", "role": "user", "content": "Forget me."}])
+    first = client.responses.create(model="replay", conversation=conv.id, input="Turn [hello]")
+    listed = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.content[0].text for i in listed] == ["My name is Ada.", "Forget me.", "Turn [hello]",
+                                                   first.output_text]
+    for item in listed:
+        assert client.conversations.items.retrieve(item.id, conversation_id=conv.id).model_dump() == item.model_dump()
+    forget = listed[1]
+    assert "Forget me." in engine.prompts[-1]
+    deleted = client.conversations.items.delete(forget.id, conversation_id=conv.id)
+    assert isinstance(deleted, Conversation) and deleted.id == conv.id  # OpenAI answers the conversation
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc").data] == \
+        [listed[0].id, listed[2].id, listed[3].id]
+    second = client.responses.create(model="replay", conversation=conv.id, input="Again [second]")
+    assert second.output_text == REPLIES["[second]"]
+    assert "My name is Ada." in engine.prompts[-1] and "Forget me." not in engine.prompts[-1]
+    for call in (lambda: client.conversations.items.retrieve(forget.id, conversation_id=conv.id),
+                 lambda: client.conversations.items.delete(forget.id, conversation_id=conv.id)):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert forget.id in info.value.message and conv.id not in info.value.message
+    for call in (lambda: client.conversations.items.retrieve(listed[0].id, conversation_id="conv_missing"),
+                 lambda: client.conversations.items.delete(listed[0].id, conversation_id="conv_missing")):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert "conv_missing" in info.value.message and info.value.body["code"] == "not_found"
+    with _client(server, KEY_B) as other:
+        for call in (lambda: other.conversations.items.retrieve(listed[0].id, conversation_id=conv.id),
+                     lambda: other.conversations.items.delete(listed[0].id, conversation_id=conv.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+    assert client.conversations.items.retrieve(listed[0].id, conversation_id=conv.id).id == listed[0].id
 
 
 def test_a_failed_generation_is_streamed_and_stored_as_failed(server, client, engine):
@@ -280,6 +351,40 @@ def test_bad_requests(client):
     assert info.value.body["param"] == "input[0].call_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
+
+
+def test_logprobs_are_computed_only_when_included(client, engine):
+    r = client.responses.create(model="replay", input="Hi [hello]", include=["message.output_text.logprobs"],
+                                top_logprobs=1)
+    assert engine.params[-1].logprobs == 1
+    logprobs = r.output[0].content[0].logprobs
+    assert "".join(lp.token for lp in logprobs) == r.output_text == REPLIES["[hello]"]
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == logprobs  # stored with the text
+    plain = client.responses.create(model="replay", input="Hi [hello]", top_logprobs=5)
+    assert engine.params[-1].logprobs is None and plain.output[0].content[0].logprobs == []
+    # the other values OpenAI defines name items Spark never makes: accepted, they add nothing
+    client.responses.create(model="replay", input="Hi [hello]",
+                            include=["reasoning.encrypted_content", "file_search_call.results"])
+    assert engine.params[-1].logprobs is None
+    call = client.responses.create(model="replay", input="Weather? [call]", tools=[WEATHER],
+                                   include=["message.output_text.logprobs"])
+    assert [o.type for o in call.output] == ["function_call"]  # a call's tokens are no output text's
+    for _ in range(3):  # pieces merge or not, as the reader keeps up: the reasoning's tokens never join the text
+        think = client.responses.create(model="replay", input="Pick [think]", reasoning={"effort": "low"},
+                                        include=["message.output_text.logprobs"])
+        assert "".join(lp.token for lp in think.output[1].content[0].logprobs) == think.output_text == "Seven."
+
+
+BAD_LOGPROBS = [({"top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": -1}, "top_logprobs"),
+                ({"include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs"),
+                ({"include": ["message.output_text.logprobs", "nope"]}, "include[1]")]  # a value OpenAI lacks too
+
+
+@pytest.mark.parametrize("body, param", BAD_LOGPROBS, ids=["21", "-1", "99-included", "unknown-include"])
+def test_bad_logprobs_requests(client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="replay", input="Hi [hello]", **body)
+    assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
 def test_a_restart_keeps_what_was_stored(engine, state_path, server):

@@ -84,6 +84,43 @@ def test_conversations(tmp_path):
     assert store.total_bytes() == 0
 
 
+def test_conversation_metadata_is_replaced(tmp_path):
+    now = [1000.0]
+    store = _store(tmp_path, clock=lambda: now[0])
+    store.create_conversation(A, {"id": "conv_1", "object": "conversation", "metadata": {"k": "v"}})
+    before = store.total_bytes()
+    now[0] = 1010.0
+    updated = store.update_conversation(A, "conv_1", {"topic": "a longer value"})
+    assert updated == {"id": "conv_1", "object": "conversation", "metadata": {"topic": "a longer value"}}
+    assert store.get_conversation(A, "conv_1") == updated
+    assert store.total_bytes() > before  # the byte count follows the body
+    assert store._db.execute("SELECT used_at FROM conversations").fetchone()[0] == 1010.0  # an update is a use
+    assert store.update_conversation(B, "conv_1", {"evil": "1"}) is None
+    assert store.update_conversation(A, "conv_missing", {}) is None
+    assert store.get_conversation(A, "conv_1")["metadata"] == {"topic": "a longer value"}
+
+
+def test_conversation_items_are_read_and_deleted_one_by_one(tmp_path):
+    store = _store(tmp_path)
+    store.create_conversation(A, {"id": "conv_1", "object": "conversation"}, [_item("c0"), _item("c1", "one")])
+    store.create_conversation(A, {"id": "conv_2", "object": "conversation"}, [_item("c1", "other")])
+    assert store.conversation_item(A, "conv_1", "c1") == _item("c1", "one")
+    assert store.conversation_item(A, "conv_2", "c1") == _item("c1", "other")  # items belong to their conversation
+    assert store.conversation_item(B, "conv_1", "c1") is None
+    assert store.conversation_item(A, "conv_1", "nope") is None
+    assert store.delete_conversation_item(B, "conv_1", "c1") is None
+    assert store.delete_conversation_item(A, "conv_1", "c1") == {"id": "conv_1", "object": "conversation"}
+    assert store.delete_conversation_item(A, "conv_1", "c1") is None  # gone already
+    assert store.conversation_item(A, "conv_1", "c1") is None
+    assert [i["id"] for i in store.conversation_items(A, "conv_1")[0]] == ["c0"]
+    assert store.conversation_item(A, "conv_2", "c1") is not None
+    store.append_conversation_items(A, "conv_1", [_item("c2")])  # after a gap, the order still holds
+    assert [i["id"] for i in store.conversation_items(A, "conv_1")[0]] == ["c0", "c2"]
+    store.delete_conversation(A, "conv_1")
+    store.delete_conversation(A, "conv_2")
+    assert store.total_bytes() == 0
+
+
 def test_eviction_by_age_and_by_size_oldest_first(tmp_path):
     now = [1000.0]
     store = _store(tmp_path, max_age_s=100, max_bytes=10_000, clock=lambda: now[0])

@@ -1,0 +1,93 @@
+"""Which output text the tokens of each piece wrote (``OutputTokens``, through ``OutputBuilder`` as the
+Responses route feeds it): pure, no server."""
+
+from __future__ import annotations
+
+from spark.actors.messages import RequestOutput, TokenLogprob
+from spark.http.output_tokens import OutputTokens, text_tokens
+from spark.http.response_items import OutputBuilder
+from spark.http.turn import ContentDelta, ReasoningDelta, ToolCallDelta
+
+
+def _tokens(*texts: str) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(n, text, -0.5) for n, text in enumerate(texts))
+
+
+def _build(steps) -> tuple[list[dict], list[dict]]:
+    """Feed ``(tokens, events)`` steps as the Responses route does; returns the output and the text deltas."""
+    builder, deltas = OutputBuilder(), []
+    for tokens, events in steps:
+        builder.add_tokens(_tokens(*tokens))
+        for event in events:
+            deltas += [e for e in builder.feed(event) if e["type"] == "response.output_text.delta"]
+    builder.close()
+    return builder.output, deltas
+
+
+def _joined(logprobs: list[dict]) -> str:
+    return "".join(lp["token"] for lp in logprobs)
+
+
+def test_reasoning_tokens_are_not_the_message_texts():
+    output, deltas = _build([(["<think>"], []), (["Short"], [ReasoningDelta("Short")]),
+                             (["</think>"], []), (["Seven"], [ContentDelta("Seven")]), (["."], [ContentDelta(".")])])
+    reasoning, message = output
+    assert reasoning["type"] == "reasoning"
+    part = message["content"][0]
+    assert _joined(part["logprobs"]) == part["text"] == "Seven."
+    assert [_joined(d["logprobs"]) for d in deltas] == ["Seven", "."]
+
+
+def test_a_merged_piece_is_split_between_reasoning_and_message():
+    # pieces merge when the reader falls behind: one piece, then, writes both
+    tokens = ["<think>", "Short", "</think>", "\n\n", "Seven", "."]
+    (reasoning, message), _ = _build([(tokens, [ReasoningDelta("Short"), ContentDelta("Seven.")])])
+    part = message["content"][0]
+    assert _joined(part["logprobs"]) == part["text"] == "Seven."
+
+
+def test_held_text_keeps_its_tokens_until_it_is_shown():
+    # the whitespace before a message waits for its first visible character, and its tokens with it
+    output, deltas = _build([(["\n"], [ContentDelta("\n")]), (["Hi"], [ContentDelta("Hi")]),
+                             ([" th"], []), (["ere"], [ContentDelta(" there")])])
+    part = output[0]["content"][0]
+    assert _joined(part["logprobs"]) == part["text"] == "\nHi there"
+    assert [(d["delta"], _joined(d["logprobs"])) for d in deltas] == [("\nHi", "\nHi"), (" there", " there")]
+
+
+def test_a_calls_tokens_are_dropped():
+    call = ToolCallDelta(0, "call_1", "get_weather", "")
+    output, _ = _build([(["Let me look."], [ContentDelta("Let me look.")]), (["\n"], [ContentDelta("\n")]),
+                        (["<tool_call>", '{"name"'], [call]), (["}"], [ToolCallDelta(0, None, None, "{}")])])
+    message, function_call = output
+    assert _joined(message["content"][0]["logprobs"]) == "Let me look.\n"
+    assert function_call["type"] == "function_call" and "logprobs" not in function_call
+
+
+def test_the_stop_token_writes_no_text():
+    tokens = _tokens("Hi", "<|im_end|>")
+    assert text_tokens(RequestOutput("r", "Hi", (0, 1), tokens, finish_reason="stop")) == tokens[:1]
+    cut = RequestOutput("r", "Hi", (0, 1), tokens, finish_reason="length")
+    assert text_tokens(cut) == tokens  # a length cut ends on a token of the text
+    stopped = RequestOutput("r", "Hi", (0, 1), tokens, finish_reason="stop", stop_string="<|im_end|>")
+    assert text_tokens(stopped) == tokens  # a stop string's tokens end the text, as the streamer cut them
+
+
+def test_a_token_across_two_texts_goes_with_the_first():
+    tokens = OutputTokens()
+    tokens.add(_tokens("<think>", "Hi th", "ere"))
+    assert [e["token"] for e in tokens.take("Hi")] == ["Hi th"]  # " th" waits: it may start a tag
+    assert [e["token"] for e in tokens.take(" there")] == ["ere"]
+
+
+def test_text_inside_markup_is_not_taken_for_the_answer():
+    tokens = OutputTokens()
+    tokens.add(_tokens("</", "tool", "_call", ">", "a"))
+    assert [e["token"] for e in tokens.take("a")] == ["a"]  # not the "a" of "_call"
+
+
+def test_tokens_that_do_not_join_into_the_text_are_all_taken():
+    tokens = OutputTokens()
+    tokens.add(_tokens("▁Hello", "▁world"))  # a tokenizer whose pieces are not their text
+    assert [e["token"] for e in tokens.take("Hello world")] == ["▁Hello", "▁world"]
+    assert tokens.take("!") == []
