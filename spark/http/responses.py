@@ -106,6 +106,7 @@ def _not_found(kind: str, oid: str, param: str | None = None) -> ApiError:
 async def create_response(serving: Serving):
     req = await request_body(ResponsesRequest)
     check_include(req.include)
+    check_metadata(req.metadata)
     params = sampling_params(serving.limits, {"temperature": req.temperature, "top_p": req.top_p},
                              max_tokens=req.max_output_tokens, param="max_output_tokens", logprobs=logprobs_k(req))
     owner = _owner()

@@ -250,7 +250,8 @@ BAD_METADATA = [({f"k{n}": "v" for n in range(17)}, "metadata"), ({"k" * 65: "v"
 def test_metadata_out_of_bounds_is_refused(client, metadata, param):
     conv = client.conversations.create(metadata={"kept": "yes"})
     for call in (lambda: client.conversations.create(metadata=metadata),
-                 lambda: client.conversations.update(conv.id, metadata=metadata)):
+                 lambda: client.conversations.update(conv.id, metadata=metadata),
+                 lambda: client.responses.create(model="replay", input="hi", max_output_tokens=1, metadata=metadata)):
         with pytest.raises(openai.BadRequestError) as info:
             call()
         assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
