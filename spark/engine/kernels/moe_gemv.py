@@ -15,8 +15,8 @@ reads the experts straight from ``topk_ids`` instead, as matrix-vector products 
    token's k picks, each pick's product rounded and weighted, the k of them summed in fp32 in
    registers. No atomics and no per-slot ``y``: the sum has one order, so the output is
    deterministic and each token's result does not depend on the others in the batch. For one
-   token of small experts it loads its picks and their weight rows before waiting on gate/up
-   (``gemv_config``'s ``EARLY``).
+   token of small experts it may load its picks and their weight rows before waiting on gate/up
+   (``gemv_config``'s ``EARLY``, off by default: slower on an H100).
 
 Decode's one row goes further (``moe_one_row_triton``, the MoE block's part of ``TritonOps.block_one_row``):
 the router's GEMV takes the RMSNorm in its prologue, every gate/up program routes its token from
