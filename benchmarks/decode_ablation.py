@@ -140,7 +140,7 @@ if preset == "llama-3.1-8b":
         variants[f"triton_wqkv:{tag(cfg)}"] = {"patch": {(llama.Attention, "forward"): triton_wqkv(cfg)}, "rows": "dot"}
 
 if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's launch shapes in the chain
-    from spark.engine.kernels import fused_moe as fm
+    from spark.engine.kernels import moe_gemv  # gemv_config and ROUTER_CONFIG: looked up there at each launch
 
     one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731 (the FMA path)
     for name, shape, cfgs in [
@@ -157,7 +157,7 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     ]:
         for cfg in cfgs:
             variants[f"{name}:{tag(cfg)}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
-    real_gemv = fm.gemv_config
+    real_gemv = moe_gemv.gemv_config
 
     def gemv(**parts):
         """gemv_config with some launch arguments of its parts (gate_up, down) replaced."""
@@ -169,25 +169,27 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     for bn, bk, w in ((2, 2048, 2), (8, 2048, 2), (4, 2048, 4), (4, 1024, 2), (2, 2048, 1), (8, 2048, 4),
                       (2, 1024, 1), (1, 2048, 1), (4, 2048, 1), (1, 1024, 1), (8, 2048, 1), (16, 2048, 1)):
         variants[f"gate_up:{bn}x{bk}w{w}"] = {
-            "patch": {(fm, "gemv_config"): gemv(gate_up=dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))}, "rows": "one"}
+            "patch": {(moe_gemv, "gemv_config"): gemv(gate_up=dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))},
+            "rows": "one"}
     for stages in (1, 2, 4):
-        variants[f"gate_up:2x2048w1s{stages}"] = {"patch": {(fm, "gemv_config"): gemv(
+        variants[f"gate_up:2x2048w1s{stages}"] = {"patch": {(moe_gemv, "gemv_config"): gemv(
             gate_up=dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1, num_stages=stages))}, "rows": "one"}
     for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8), (2, 8), (1, 4), (1, 2), (2, 1), (4, 1),
                   (8, 1), (1, 8)):
         variants[f"down:{bn}x1024w{w}"] = {
-            "patch": {(fm, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
+            "patch": {(moe_gemv, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
     # (the down shapes above take the default's early loads, which hold top-k x BLOCK_N x 1024 weights in
     # registers across the wait: 64 bf16 a thread at 1 row on 4 warps; "late": routing and weights after it)
     for bn, w in ((1, 4), (2, 1)):
         variants[f"down:{bn}x1024w{w}late"] = {
-            "patch": {(fm, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w, EARLY=False))}, "rows": "one"}
+            "patch": {(moe_gemv, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w, EARLY=False))}, "rows": "one"}
     # The down kernel's routing and weight rows loaded before its wait on gate/up (off since 2026-12-05's
     # seventh session: 6.5 us a layer slower on an H100).
-    variants["early_down"] = {"patch": {(fm, "gemv_config"): gemv(down=dict(EARLY=True))}, "rows": "one"}
+    variants["early_down"] = {"patch": {(moe_gemv, "gemv_config"): gemv(down=dict(EARLY=True))}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
-        return {"cfg": cfg_for({WQKV: wqkv, WO: wo}), "patch": {(fm, "gemv_config"): gemv(gate_up=gate_up, down=down)},
+        return {"cfg": cfg_for({WQKV: wqkv, WO: wo}),
+                "patch": {(moe_gemv, "gemv_config"): gemv(gate_up=gate_up, down=down)},
                 "rows": "one"}
 
     # The shapes before 2026-12-05's fifth session (an A/B of its defaults: wqkv 4x1024w1, wo 2x4096w2,
@@ -203,7 +205,8 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
     for bn, w, early in ((1, 2, True), (4, 2, True), (2, 4, True), (2, 2, False), (8, 4, True)):
         variants[f"router:{bn}w{w}{'e' if early else ''}"] = {
-            "patch": {(fm, "ROUTER_CONFIG"): dict(fm.ROUTER_CONFIG, block_n=bn, num_warps=w, early_tile=early)},
+            "patch": {(moe_gemv, "ROUTER_CONFIG"): dict(moe_gemv.ROUTER_CONFIG, block_n=bn, num_warps=w,
+                                                         early_tile=early)},
             "rows": "one"}
 # Decode attention's launch config (all batches; 33-64 rows where the key loop is the longest).
 # One stage (no software pipelining): less shared memory a program, so more of a 64-row

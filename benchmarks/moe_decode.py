@@ -51,7 +51,7 @@ class ExpertCounter:
     of ``batch`` rows (eager steps only: a replayed graph runs no hook)."""
 
     def __init__(self, model, batch: int):
-        from spark.engine.kernels.fused_moe import route
+        from spark.engine.kernels.moe_routing import route
         from spark.engine.models.moe import SparseMoe
 
         self.batch, self.counts = batch, []  # counts: distinct experts of one layer in one step
@@ -67,10 +67,10 @@ class ExpertCounter:
                 self.handles.append(ffn.register_forward_pre_hook(hook))
 
         # A one-row step (batch 1 on the GPU) calls no SparseMoe.forward: its layers' sublayer is
-        # fused_moe.moe_one_row_triton (reached through the module at each call), counted here.
-        from spark.engine.kernels import fused_moe, small_linear
+        # moe_gemv.moe_one_row_triton (reached through the module at each call), counted here.
+        from spark.engine.kernels import moe_gemv, small_linear
 
-        self.one_row = one_row = fused_moe.moe_one_row_triton
+        self.one_row = one_row = moe_gemv.moe_one_row_triton
 
         def counted_one_row(h, norm_weight, eps, router, w13, w2, top_k, renormalize, *rest, **kw):
             if h.shape[0] == self.batch:
@@ -78,17 +78,17 @@ class ExpertCounter:
                 self.counts.append(route(logits, top_k, renormalize)[1].unique())
             return one_row(h, norm_weight, eps, router, w13, w2, top_k, renormalize, *rest, **kw)
 
-        fused_moe.moe_one_row_triton = counted_one_row
+        moe_gemv.moe_one_row_triton = counted_one_row
 
     def mean(self) -> float:
         return sum(int(c.numel()) for c in self.counts) / max(1, len(self.counts))
 
     def remove(self) -> None:
-        from spark.engine.kernels import fused_moe
+        from spark.engine.kernels import moe_gemv
 
         for h in self.handles:
             h.remove()
-        fused_moe.moe_one_row_triton = self.one_row
+        moe_gemv.moe_one_row_triton = self.one_row
 
 
 def first_moe(model):
@@ -107,21 +107,21 @@ def moe_path(model, batch: int) -> str:
     if moe.ops.moe is not ops.TritonOps.moe:
         return "reference"
     if batch == 1 and model.one_row:
-        return "one-row"  # fused_moe.moe_one_row_triton: the router, then the GEMVs routing from its logits
+        return "one-row"  # moe_gemv.moe_one_row_triton: the router, then the GEMVs routing from its logits
     return fused_moe.moe_path(batch, moe.top_k, moe.w13.shape[0])
 
 
 def check_kernel(model, device, dtype) -> dict:
     """The fused kernel against the torch reference on one layer's real weights (decode and prefill
     sizes): max |diff| / max |ref| and the path taken, by tokens."""
-    from spark.engine.kernels import fused_moe
+    from spark.engine.kernels import fused_moe, moe_routing
 
     moe = first_moe(model)
     gen = torch.Generator(device=device).manual_seed(0)
     worst = {}
     for tokens in (1, 4, 64, 2000):
         x = torch.randn(tokens, moe.w13.shape[2], generator=gen, device=device).to(dtype)
-        weights, ids = fused_moe.route(moe.gate(x), moe.top_k, moe.renormalize)
+        weights, ids = moe_routing.route(moe.gate(x), moe.top_k, moe.renormalize)
         got = fused_moe.fused_moe_triton(x, moe.w13, moe.w2, weights, ids).float()
         want = fused_moe.fused_moe_reference(x, moe.w13, moe.w2, weights, ids).float()
         worst[tokens] = {"rel_err": round(((got - want).abs().max() / want.abs().max()).item(), 5),
@@ -134,23 +134,23 @@ def check_one_row(model, device, dtype, replays: int = 20) -> dict:
     loaded before its wait) replayed from a CUDA graph, where its launches overlap as in a decode
     step, against its torch reference on the first MoE layer's real weights, a new residual each replay:
     the worst max |diff| / max |ref|, and the smallest fraction of outputs bit-equal to it."""
-    from spark.engine.kernels import fused_moe
+    from spark.engine.kernels import moe_gemv
 
     moe = first_moe(model)
     block = next(layer for layer in model.layers if layer.feed_forward is moe)
     args = (block.ffn_norm.weight, block.ffn_norm.eps, moe.gate.weight, moe.w13, moe.w2, moe.top_k, moe.renormalize)
     gen = torch.Generator(device=device).manual_seed(1)
     h = torch.randn(1, moe.w13.shape[2], generator=gen, device=device).to(dtype)
-    fused_moe.moe_one_row_triton(h, *args)  # compiled outside the capture
+    moe_gemv.moe_one_row_triton(h, *args)  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe.moe_one_row_triton(h, *args)
+        out = moe_gemv.moe_one_row_triton(h, *args)
     worst, least_exact = 0.0, 1.0
     for _ in range(replays):
         h.copy_(torch.randn(h.shape, generator=gen, device=device).to(dtype))
         graph.replay()
-        want = fused_moe.moe_one_row_reference(h, *args)
+        want = moe_gemv.moe_one_row_reference(h, *args)
         worst = max(worst, ((out.float() - want.float()).abs().max() / want.float().abs().max()).item())
         # bit-equal outputs: the kernel rounds as the reference, only fp32 sums' order differs (the
         # interpreter's tests ask 0.98); a stale or raced routing would change most of them

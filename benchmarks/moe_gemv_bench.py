@@ -12,7 +12,7 @@ its tokens to a fresh random top-k (distinct experts within a token), and the ca
 (gpu_timing.graph_time_us). The bytes a call must read are its distinct experts' w13 and w2
 (the activations are noise beside them); ``frac`` is those bytes per second over this GPU's
 measured device-to-device copy rate. The sweep varies one kernel's tile at a time, the other at
-its default (fused_moe.gemv_config), and prints the fastest of each.
+its default (moe_gemv.gemv_config), and prints the fastest of each.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from gpu_timing import graph_time_us  # noqa: E402  (a sibling: benchmarks/ is the script's directory)
 from offline_decode import copy_bandwidth, git_commit, write_results  # noqa: E402
 
-from spark.engine.kernels import fused_moe, small_linear  # noqa: E402
+from spark.engine.kernels import fused_moe, moe_gemv, moe_routing, small_linear  # noqa: E402
 from spark.engine.weights.dummy import PRESETS  # noqa: E402
 
 CALLS = 24  # routings per graph: 24 x 8 experts of Qwen3-MoE's 128 read ~1.8 GB, far past L2
@@ -49,7 +49,7 @@ def routings(tokens: int, k: int, experts: int, gen: torch.Generator) -> list[tu
     out = []
     for _ in range(CALLS):
         logits = torch.randn(tokens, experts, generator=gen, device="cuda")
-        weights, ids = fused_moe.route(logits, k, renormalize=True)
+        weights, ids = moe_routing.route(logits, k, renormalize=True)
         out.append((weights, ids.to(torch.int32)))
     return out
 
@@ -61,7 +61,7 @@ def time_path(fn, x, w13, w2, routes, **kwargs) -> float:
 def sweep_configs(hidden: int, inter: int):
     """(kernel, config) pairs: each kernel's tiles varied, the other kernel at its default; at most
     128 weight elements a thread per step (more spills)."""
-    default = fused_moe.gemv_config(hidden, inter)
+    default = moe_gemv.gemv_config(hidden, inter)
     np2 = small_linear.triton_next_power_of_2
     for n, kk, w in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (2, 4, 8)):
         if kk <= np2(hidden) and 2 * n * kk <= 128 * 32 * w:
@@ -83,6 +83,7 @@ def main() -> int:
            "commit": git_commit(), "command": " ".join(["python"] + sys.argv), "copy_tb_s": round(copy / 1e12, 3),
            "results": [], "sweep": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    both_paths = {"gemv": moe_gemv.fused_moe_gemv_triton, "grouped": fused_moe.fused_moe_grouped_triton}
     for preset in args.presets.split(","):
         w13, w2, k = layer(preset, gen)
         experts, inter2, hidden = w13.shape
@@ -94,8 +95,8 @@ def main() -> int:
             nbytes = distinct * expert_bytes
             row = {"preset": preset, "tokens": tokens, "path": fused_moe.moe_path(tokens, k, experts),
                    "distinct_experts": distinct, "bytes": int(nbytes)}
-            for name in ("gemv", "grouped"):
-                us = time_path(getattr(fused_moe, f"fused_moe_{name}_triton"), x, w13, w2, routes)
+            for name, fn in both_paths.items():
+                us = time_path(fn, x, w13, w2, routes)
                 row[f"{name}_us"] = round(us, 2)
                 row[f"{name}_frac"] = round(nbytes / (us * 1e-6) / copy, 3)
             if tokens == 1:
@@ -105,8 +106,8 @@ def main() -> int:
                 router = router.to(torch.bfloat16)
                 norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
                 hs = [torch.randn(1, hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(CALLS)]
-                us = graph_time_us([lambda h=h: fused_moe.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2,
-                                                                             k, True) for h in hs])
+                us = graph_time_us([lambda h=h: moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2,
+                                                                            k, True) for h in hs])
                 row["one_row_us"] = round(us, 2)
                 row["one_row_frac"] = round((nbytes + router.numel() * 2) / (us * 1e-6) / copy, 3)
             doc["results"].append(row)
@@ -114,7 +115,7 @@ def main() -> int:
             if args.sweep and tokens == 1:
                 best = {}
                 for kernel, cfg in sweep_configs(hidden, inter2 // 2):
-                    us = time_path(fused_moe.fused_moe_gemv_triton, x, w13, w2, routes, config=cfg)
+                    us = time_path(moe_gemv.fused_moe_gemv_triton, x, w13, w2, routes, config=cfg)
                     entry = {"preset": preset, "kernel": kernel, **cfg[kernel], "us": round(us, 2),
                              "frac": round(nbytes / (us * 1e-6) / copy, 3)}
                     doc["sweep"].append(entry)

@@ -6,11 +6,11 @@ where it used to ask each tensor ``x.is_cuda``. ``TorchOps`` spells out the math
 the GPU kernels, with the fusions that make decode fast: an add fused into the next
 norm, projections of 33-64 rows in the small-row kernel (maybe split over K), and
 for a one-row step the whole dense block in four small-row launches (an MoE block's experts in
-three launches, ``fused_moe.moe_one_row_triton``), Qwen3's q/k norms inside the decode attention launch. ``CpuOps`` is
+three launches, ``moe_gemv.moe_one_row_triton``), Qwen3's q/k norms inside the decode attention launch. ``CpuOps`` is
 the CPU's path: the references, but a decode step's attention in one batched call.
 An MoE layer's experts (``moe``) run the loop-over-experts reference on the CPU and
-the fused, graph-capturable kernels of ``kernels/fused_moe.py`` on the GPU (GEMVs for a few
-tokens, grouped GEMMs for more).
+the fused, graph-capturable kernels on the GPU: GEMVs for a few tokens (``kernels/moe_gemv.py``),
+grouped GEMMs for more (``kernels/fused_moe.py``).
 
 The ops are plain functions bound on the class, so that a call costs what the old
 ``if x.is_cuda`` branch did: no wrapper frame on the hot path. Kernels are reached
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
-from spark.engine.kernels import activation, fp8, fused_moe, norm, small_linear
+from spark.engine.kernels import activation, fp8, fused_moe, moe_gemv, moe_routing, norm, small_linear
 from spark.engine.kv_cache import pages_and_scale
 
 if TYPE_CHECKING:
@@ -82,12 +82,12 @@ def _swiglu_reference(x: torch.Tensor, w13: nn.Linear, w2: nn.Linear) -> torch.T
 
 
 def _moe_reference(x, router: nn.Linear, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    weights, ids = fused_moe.route(router(x), top_k, renormalize)
+    weights, ids = moe_routing.route(router(x), top_k, renormalize)
     return fused_moe.fused_moe_reference(x, w13, w2, weights, ids)
 
 
 def _moe_triton(x, router: nn.Linear, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    weights, ids = fused_moe.route_triton(router(x), top_k, renormalize)
+    weights, ids = moe_routing.route_triton(router(x), top_k, renormalize)
     return fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
 
 
@@ -137,7 +137,7 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
     matmuls: each norm, the gate and each residual add ride along with the projection
     next to them (see ``kernels/small_linear.py``): the gate in w13's epilogue for a wide
     model, in w2's prologue for a small one (``gate_in_epilogue``). An MoE block's experts take three
-    launches instead of two (``fused_moe.moe_one_row_triton``: the router, gate/up, down). Under tensor parallelism
+    launches instead of two (``moe_gemv.moe_one_row_triton``: the router, gate/up, down). Under tensor parallelism
     ``wo`` and ``w2`` give this rank's part, summed over the ranks (``block.tp.reduce``): only
     rank 0 adds the residual to its part, so that the sum holds it once.
     """
@@ -148,8 +148,8 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
                                                    residual=h if tp.leads else None))
     if ffn.routed:  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
         assert tp.world_size == 1, "MoE layers are not split over ranks"
-        return fused_moe.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
-                                            ffn.w2, ffn.top_k, ffn.renormalize)
+        return moe_gemv.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
+                                           ffn.w2, ffn.top_k, ffn.renormalize)
     ffn_norm = dict(norm_weight=block.ffn_norm.weight, eps=block.ffn_norm.eps)
     residual = h if tp.leads else None
     if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):

@@ -25,6 +25,17 @@ def bf16_rounds_to_nearest(monkeypatch):
                         rounding_cast(interpreter.InterpreterBuilder.cast_impl))
 
 
+@pytest.fixture
+def exact_bf16_in_interpreter(bf16_rounds_to_nearest, monkeypatch):
+    """bf16 as a GPU computes it: casts rounded to nearest (``bf16_rounds_to_nearest``) and the
+    interpreter's bf16 `tl.dot` multiplying numbers, not their bits (``dot_of_values``)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot_of_values)
+
+
 def rounding_cast(truncating):
     """The interpreter's ``cast_impl`` with fp32 -> bf16 rounded to nearest even (``truncating`` otherwise)."""
     import triton.language as tl

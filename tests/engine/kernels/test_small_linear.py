@@ -1,22 +1,11 @@
-import os
-
 import attrs
 import pytest
 import torch
 
 from spark.engine.kernels import small_linear as sl
-from tests.engine.kernels.conftest import assert_bf16_nearly_exact, dot_of_values
+from tests.engine.kernels.conftest import assert_bf16_nearly_exact
 
-
-@pytest.fixture(autouse=True)
-def exact_bf16_in_interpreter(bf16_rounds_to_nearest, monkeypatch):
-    """Round bf16 casts to nearest (conftest) and make the interpreter's bf16 `tl.dot`
-    multiply numbers, not their bits (``conftest.dot_of_values``)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot_of_values)
+pytestmark = pytest.mark.usefixtures("exact_bf16_in_interpreter")  # bf16 as on a GPU (conftest)
 
 
 def make_inputs(m, n, k, dtype, *, prologue, residual, seed=0):

@@ -1,0 +1,102 @@
+"""The router's choice for a mixture-of-experts layer: each token's top-k experts and their weights.
+
+A token's weights are the softmax of its router logits over the ``E`` experts, its top ``k`` kept
+(renormalised to sum to 1 where the model asks: Mixtral's router). ``route`` is the torch reference;
+``route_triton`` takes one launch, one program a token. The routing of one token is a @triton.jit
+helper of its own (``route_token``), so that the GEMV kernels of the few-token path (moe_gemv.py)
+route their token inside their own programs, with the same bits as ``route_triton`` and no launch
+of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+triton = None  # bound by _kernels() on first use: TRITON_INTERPRET is read when @triton.jit runs
+tl = None
+_route_token = None  # route_token, bound by _kernels() as a module global, where moe_route_kernel looks it up
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the softmax over experts: (weights fp32 [T, k], expert ids int64 [T, k]).
+
+    Args:
+      logits: the router's scores [T, E].
+      renormalize: scale each token's k weights to sum to 1 (which equals a softmax over the
+        selected logits alone: Mixtral's router).
+    """
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` in one launch (one program a token): weights fp32 [T, k], expert ids int32 [T, k].
+
+    Ties between equal probabilities go to the lower expert id (torch's topk does not promise an order)."""
+    kernel = _kernels()[1]
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        kernel[(num_tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
+                              K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+                              RENORMALIZE=renormalize)
+    return weights, ids
+
+
+def jit_route_token():
+    """The @triton.jit ``route_token`` (one token's weights and ids from its logits), JIT-ed once, for
+    kernels of other modules to call (moe_gemv.py's): the same bits as ``route_triton``'s."""
+    return _kernels()[0]
+
+
+@functools.cache
+def _kernels():
+    """(route_token, route kernel), JIT-ed at first use."""
+    global triton, tl, _route_token
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def route_token(logits_row, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                    RENORMALIZE: tl.constexpr):
+        """One token's (weights fp32 [K_PAD], expert ids int32 [K_PAD]) from its logits: softmax over the
+        experts in fp32, then k rounds of argmax (the lowest id among ties), renormalised if asked."""
+        experts = tl.arange(0, E_PAD)
+        logits = tl.load(logits_row + experts, mask=experts < num_experts, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = p / tl.sum(p, axis=0)
+        picks = tl.arange(0, K_PAD)
+        top_w = tl.zeros([K_PAD], dtype=tl.float32)
+        top_i = tl.zeros([K_PAD], dtype=tl.int32)
+        left = tl.where(experts < num_experts, p, -1.0)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(left, axis=0)
+            at = tl.min(tl.where(left == best, experts, E_PAD), axis=0)  # the lowest id among ties
+            # A NaN row (a padded row of a replayed graph attends to nothing) matches no expert:
+            # it takes expert 0, so that no id ever points outside the weights.
+            at = tl.where(at < num_experts, at, 0)
+            top_w = tl.where(picks == j, best, top_w)
+            top_i = tl.where(picks == j, at, top_i)
+            left = tl.where(experts == at, -1.0, left)
+        if RENORMALIZE:
+            top_w = top_w / tl.sum(tl.where(picks < TOP_K, top_w, 0.0), axis=0)
+        return top_w, top_i
+
+    _route_token = route_token
+
+    @triton.jit
+    def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, num_experts, TOP_K: tl.constexpr,
+                         K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+        # One token a program.
+        t = tl.program_id(0).to(tl.int64)
+        top_w, top_i = _route_token(logits_ptr + t * stride_t, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        picks = tl.arange(0, K_PAD)
+        tl.store(weights_ptr + t * TOP_K + picks, top_w, mask=picks < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + picks, top_i, mask=picks < TOP_K)
+
+    return route_token, moe_route_kernel
