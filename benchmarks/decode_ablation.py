@@ -240,6 +240,10 @@ for name, shape, cfgs in [
 ]:
     for cfg in cfgs:
         variants[f"{name}:{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
+# ... and at batch 1 (a short context in a few partitions: each program walks one or two key blocks).
+for bn, w, st in ((32, 4, 2), (32, 2, 2), (64, 2, 2), (64, 8, 2), (16, 4, 2), (32, 4, 1)):
+    variants[f"attn1:{bn}w{w}s{st}"] = {
+        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "one"}
 # Split-KV partitions of batch-1 decode attention (the heuristic picks 4 at a 272-token
 # context; 1 drops the reduce kernel, one launch a layer).
 for n in (1, 2, 8):
@@ -247,8 +251,6 @@ for n in (1, 2, 8):
 # ... and at 33-64 rows, where one program per (sequence, kv head) walks every key serially.
 for n in (2, 3, 4):
     variants[f"splits_rows:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b > 16 else real_choose(b, h, ctx), "rows": "dot"}
-# Split-KV's partitions merged by a reduce launch, as before 2026-12-05's seventh session (all batches).
-variants["unfused_reduce"] = {"patch": {(pa, "FUSED_REDUCE"): False}}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}

@@ -91,12 +91,9 @@ for name in "$@"; do
         # and the attention projections' early tiles at their one-row shapes; then issue 23's whole run
         moe-early) step "$name" 240 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,down:1x1024w4late,down:2x1024w4,down:1x1024w2,down:1x1024w8,down:2x1024w8,wqkv:4x1024w1e,wo:2x4096w2e,base2 ;;
-        # split-KV merged in the decode kernel (FUSED_REDUCE) against the reduce launch, the partition
-        # counts again with it, the early down once more, gate/up in 2-row programs; no race in the merge
-        moe-merge) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
-            base,unfused_reduce,splits:2,splits:8,early_down,gate_up:2x2048w1,base2 ;;
-        attn-merge-8b) step "$name" 150 python decode_ablation.py llama-3.1-8b 272 1,64 base,unfused_reduce,base2 ;;
-        attn-merge) step "$name" 150 python ../scripts/gpu_attention_merge_check.py --out "$OUT/attn-merge.json" ;;
+        # batch-1 decode attention's launch configs inside the MoE step, and the early down once more
+        moe-attn1) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,attn1:32w4s2,attn1:32w2s2,attn1:64w2s2,attn1:64w8s2,attn1:16w4s2,attn1:32w4s1,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;

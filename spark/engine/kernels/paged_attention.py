@@ -32,19 +32,12 @@ _attend_keys = None  # key_block's online softmax over a range of keys
 _rope_cos_sin = None  # rope's cos/sin, so that k rotated here equals k rotated by the rope kernels
 _load_block = _attend_block = None  # key_block's two halves of a step, for the early first block
 _partition = None  # the keys of one split-KV program
-_merge_partials = None  # split-KV's partial results merged (the reduce kernel's, or the last partition's)
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
 EARLY_LOADS = True
-# With split-KV: the last of a sequence's partitions to finish merges them (a counter per sequence
-# and kv head, taken atomically), in place of a reduce launch behind the decode kernel. A module
-# flag for A/B runs (decode_ablation.py unfused_reduce).
-FUSED_REDUCE = True
-# Partitions merged per step of that merge (registers: group rows x these x head_dim in fp32).
-_MERGE_SPLITS = 4
 # Over an fp8 cache (GPU): V converted to fp16 where it is loaded, not in the dot's operand layout
 # (key_block.load_block says why). A module flag for A/B runs (attention_bench.py --kv-dtypes).
 FP8_V_EARLY = True
@@ -365,8 +358,6 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     half_dot = half_dots(k_cache.dtype, q.dtype) and not interpreted
     scaled = k_scale is not None
     split = num_splits > 1
-    fused_reduce = split and FUSED_REDUCE
-    counters = _split_counters(q.device, batch * num_kv_heads) if fused_reduce else seq_lens  # unread unless fused
     if split:
         partial_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
@@ -378,13 +369,13 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     q_norm_w, k_norm_w, norm_eps = qk_norm or (q, q, 0.0)  # unread without QK_NORM
     decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k, v, positions, inv_freq, slot_mapping, q_norm_w, k_norm_w, norm_eps,
-        k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out, counters,
+        k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
         k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,  # unread unless SCALED
         *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
         *k_cache.stride(), block_tables.stride(0), *out.stride(),
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        SPLIT=split, FUSED_REDUCE=fused_reduce, MERGE_S=_MERGE_SPLITS, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
+        SPLIT=split, HALF_DOT=half_dot, PRECISION="tf32" if half_dot else "ieee", ROPE=rope_args is not None,
         SCALED=scaled, FP8_V_EARLY=FP8_V_EARLY, QK_NORM=qk_norm is not None,
         # Batch 1 only: there the projection before this kernel is the small-row linear,
         # whose PDL trigger lets this one start early. Behind cuBLAS (larger batches) the
@@ -393,26 +384,12 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         EARLY_LOADS=rope_args is not None and batch == 1 and EARLY_LOADS,
         NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps, **launch.pdl(decode_kernel, q),
     )
-    if split and not fused_reduce:
+    if split:
         reduce_kernel[(batch, num_heads)](
             partial_max, partial_sum, partial_out, out, *out.stride(), head_dim, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **launch.pdl(reduce_kernel, q),
         )
     return out
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters of finished partitions, one per (sequence, kv head), shared by every
-    launch: the merging program sets its counter back to 0, and launches on one stream never overlap
-    (with PDL too: a decode kernel counts only after its wait, by when the one before has finished).
-    Allocated once (warm-up, before any graph is captured), grown only for a larger batch."""
-    have = _counters.get(device)
-    if have is None or have.numel() < n:
-        have = _counters[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
 
 
 @functools.cache
@@ -456,7 +433,7 @@ def _kernels():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize, _head_norm, _merge_partials
+    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize, _head_norm
     _quantize = fp8.jit_quantize()
     _head_norm = norm.jit_head_norm()
     _attend_keys = key_block.attend_keys()
@@ -475,36 +452,6 @@ def _kernels():
 
     _partition = partition
 
-    @triton.jit
-    def merge_partials(partial_max_ptr, partial_sum_ptr, partial_out_ptr, first_part, row_ok, dims, dim_ok,
-                       head_dim, num_splits, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr):
-        """[BLOCK_G, BLOCK_D] fp32: the attention output of the rows whose partitions' partial results
-        start at `first_part` [BLOCK_G], merged MERGE_S partitions a step. Every partition rescaled to
-        the running max; empty ones (max -1e30, sum 0) weigh 0; a row with no keys is zeros."""
-        splits = tl.arange(0, MERGE_S)
-        m_run = tl.full([BLOCK_G], -1.0e30, tl.float32)
-        l_run = tl.zeros([BLOCK_G], tl.float32)
-        acc_run = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        s0 = 0
-        while s0 < num_splits:  # while, not range(): as the align kernel's (fused_moe.py)
-            ok = row_ok[:, None] & (s0 + splits < num_splits)[None, :]  # [G, S]
-            part = first_part[:, None] + s0 + splits[None, :]
-            # .cg: straight from L2, where other programs' stores of this launch are
-            m = tl.load(partial_max_ptr + part, mask=ok, other=-1.0e30, cache_modifier=".cg")
-            l = tl.load(partial_sum_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-            acc = tl.load(partial_out_ptr + part[:, :, None] * head_dim + dims[None, None, :],
-                          mask=ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.max(m, axis=1))
-            alpha = tl.exp2(m_run - m_new)
-            weight = tl.exp2(m - m_new[:, None])
-            l_run = l_run * alpha + tl.sum(l * weight, axis=1)
-            acc_run = acc_run * alpha[:, None] + tl.sum(acc * weight[:, :, None], axis=1)
-            m_run = m_new
-            s0 += MERGE_S
-        return acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
-
-    _merge_partials = merge_partials
-
     # What changes from step to step is not specialized on: the ints (the block table's width, the
     # split count: Triton's ==1 and %16 cases) and the alignment of the int32 metadata (a mixed step
     # slices its decode rows' and its chunks' out of one array, at any row). Each case was a compile
@@ -515,13 +462,13 @@ def _kernels():
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-        partial_max_ptr, partial_sum_ptr, partial_out_ptr, counters_ptr, k_scale_ptr, v_scale_ptr,
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr, k_scale_ptr, v_scale_ptr,
         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd, stride_f,
         stride_cp, stride_co, stride_ch, stride_cd,
         stride_bt, stride_ob, stride_oh, stride_od,
         qk_scale_log2, group, head_dim, num_splits,
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, MERGE_S: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+        SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         SCALED: tl.constexpr, FP8_V_EARLY: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr,
         PDL: tl.constexpr, QK_NORM: tl.constexpr,
     ):
@@ -640,28 +587,17 @@ def _kernels():
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if SCALED:
             acc = acc * v_scale
-        o_off = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od
         if SPLIT:
-            # Partial results in fp32, [B, H, S(, D)], merged by reduce_kernel or, FUSED_REDUCE, by
-            # the last of the sequence's partitions to finish here.
-            first_part = (seq * tl.num_programs(1) * group + heads) * num_splits
-            part = first_part + split
+            # Partial results in fp32, [B, H, S(, D)], merged by reduce_kernel. Merged here instead, by
+            # the last of a sequence's programs to finish (an atomic count), the step was slower:
+            # Qwen3-30B-A3B batch 1 on an H100, 333.3 tok/s against 340.8 with the reduce launch (91aa44c).
+            part = (seq * tl.num_programs(1) * group + heads) * num_splits + split
             tl.store(partial_max_ptr + part, m_i, mask=row_ok)
             tl.store(partial_sum_ptr + part, l_i, mask=row_ok)
             tl.store(partial_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
-            if FUSED_REDUCE:
-                # Every thread's partials are stored before the count says so (the barrier), and the
-                # count's release/acquire makes them visible to whichever program counts last.
-                tl.debug_barrier()
-                counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                    tl.debug_barrier()
-                    o = _merge_partials(partial_max_ptr, partial_sum_ptr, partial_out_ptr, first_part, row_ok,
-                                        dims, dim_ok, head_dim, num_splits, BLOCK_G, BLOCK_D, MERGE_S)
-                    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         else:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context: zeros, not NaN
+            o_off = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od
             tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit(do_not_specialize=["num_splits"])  # as decode_kernel's
@@ -674,13 +610,21 @@ def _kernels():
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         seq, head = tl.program_id(0), tl.program_id(1)
-        one = tl.arange(0, 1)  # a group of one head, its partitions in one step
+        splits = tl.arange(0, BLOCK_S)
         dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < head_dim
-        first_part = (seq * tl.num_programs(1) + head + one) * num_splits
-        o = _merge_partials(partial_max_ptr, partial_sum_ptr, partial_out_ptr, first_part, one == 0, dims, dim_ok,
-                            head_dim, num_splits, 1, BLOCK_D, BLOCK_S)
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=dim_ok[None, :])
+        split_ok = splits < num_splits
+        part = (seq * tl.num_programs(1) + head) * num_splits + splits
+        m = tl.load(partial_max_ptr + part, mask=split_ok, other=float("-inf"))
+        l = tl.load(partial_sum_ptr + part, mask=split_ok, other=0.0)
+        acc = tl.load(
+            partial_out_ptr + part[:, None] * head_dim + dims[None, :],
+            mask=split_ok[:, None] & (dims < head_dim)[None, :], other=0.0,
+        )
+        # Rescale every partition to the global max; empty partitions (max -1e30, sum 0) weigh 0.
+        weight = tl.exp2(m - tl.max(m, axis=0))
+        total = tl.sum(l * weight, axis=0)
+        o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
     return decode_kernel, reduce_kernel

@@ -7,7 +7,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from spark.engine.kernels import paged_attention as pa
 from spark.engine.kernels.paged_attention import (
     DecodeConfig,
     choose_num_splits,
@@ -131,24 +130,6 @@ def test_decode_triton_matches_reference(page_size, num_kv_heads, group, head_di
 
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("fused_reduce", [True, False])
-@pytest.mark.parametrize("num_splits", [2, 5, 8])
-def test_split_partials_merge_in_the_kernel_or_the_reduce_launch(num_splits, fused_reduce, monkeypatch):
-    # 5 and 8 partitions: more than one merge step of _MERGE_SPLITS (4), a ragged last step, and
-    # partitions left empty by a 1-key context. Fused, the counters are all back at 0 afterwards.
-    monkeypatch.setattr(pa, "FUSED_REDUCE", fused_reduce)
-    context_lens = [1, 37, 300]
-    _, _, k_cache, v_cache, block_tables = _paged_batch(context_lens, 16, 2, 64, seed=num_splits)
-    q = torch.randn(len(context_lens), 8, 64)
-    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
-    expected = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
-    for _ in range(2):  # the second launch reuses the counters the first set back
-        out = paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    if fused_reduce:
-        assert not pa._split_counters(q.device, len(context_lens) * 2).any()
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
