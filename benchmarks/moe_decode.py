@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import statistics
 import sys
