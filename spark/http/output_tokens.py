@@ -16,7 +16,8 @@ from spark.http.formatting import token_logprobs
 
 
 def text_tokens(piece: RequestOutput) -> tuple[TokenLogprob, ...]:
-    """A piece's logprobs, less the token the engine stopped on: EOS is a control token that writes no text."""
+    """A piece's logprobs, less the token the engine stopped on: EOS is a control token that writes no
+    text, and OpenAI's logprobs (chat, completions, Responses) hold the tokens of the text alone."""
     if piece.finish_reason == "stop" and piece.stop_string is None:
         return piece.logprobs[:-1]
     return piece.logprobs

@@ -75,6 +75,20 @@ def test_logprobs_and_top_logprobs(server):
     assert plain.choices[0].logprobs is None
 
 
+def test_logprobs_leave_out_the_end_of_turn_token(server):
+    # The model ends its turn on <|im_end|>: a control token that writes no text, so not a logprob entry
+    # (as OpenAI's), whole or streamed; it still counts as a completion token.
+    r = _chat(server, max_tokens=200, temperature=0, logprobs=True)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    tokens = [e.token for e in choice.logprobs.content]
+    assert "".join(tokens) == choice.message.content and "<|im_end|>" not in tokens
+    assert len(tokens) == r.usage.completion_tokens - 1
+    streamed = [e.token for chunk in _chat(server, max_tokens=200, temperature=0, logprobs=True, stream=True)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert streamed == tokens
+
+
 def test_stop_string_ends_output_before_it(server):
     full = _chat(server, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}).choices[0].message.content
     words = full.split()

@@ -115,7 +115,7 @@ def test_echo_with_logprobs_lists_the_prompts_tokens_first(server):
     client = server.client()
     r = client.completions.create(model="replay", prompt=prompt, max_tokens=20, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
-    generated = len(tok.encode(REPLY)) + 1  # and the end of text
+    generated = len(tok.encode(REPLY))  # the end of text writes none of the text: not listed
     assert lp.tokens[:len(ids)] == [tok.token_text(t) for t in ids] and len(lp.tokens) == len(ids) + generated
     assert lp.token_logprobs[:len(ids)] == [None] * len(ids)  # the replayed model scores no prompt
     assert all(p is not None for p in lp.token_logprobs[len(ids):])
