@@ -178,14 +178,6 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
                   (8, 1), (1, 8)):
         variants[f"down:{bn}x1024w{w}"] = {
             "patch": {(moe_gemv, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
-    # (the down shapes above take the default's early loads, which hold top-k x BLOCK_N x 1024 weights in
-    # registers across the wait: 64 bf16 a thread at 1 row on 4 warps; "late": routing and weights after it)
-    for bn, w in ((1, 4), (2, 1)):
-        variants[f"down:{bn}x1024w{w}late"] = {
-            "patch": {(moe_gemv, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w, EARLY=False))}, "rows": "one"}
-    # The down kernel's routing and weight rows loaded before its wait on gate/up (off since 2026-12-05's
-    # seventh session: 6.5 us a layer slower on an H100).
-    variants["early_down"] = {"patch": {(moe_gemv, "gemv_config"): gemv(down=dict(EARLY=True))}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}),
@@ -196,7 +188,7 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
     # gate_up 4x2048w1, down 1x1024w4), and combinations tried on the way.
     variants["before_small_weights"] = combo(one(8, 1024, num_warps=2), one(8, 2048),
                                              dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2),
-                                             dict(BLOCK_N=4, num_warps=4, EARLY=False))
+                                             dict(BLOCK_N=4, num_warps=4))
     variants["combo_a"] = combo(one(4, 1024, num_warps=2), one(2, 2048, num_warps=2),
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
     variants["combo_b"] = combo(one(2, 2048, num_warps=2), one(4, 2048, early_tile=True),

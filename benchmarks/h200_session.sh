@@ -87,11 +87,7 @@ for name in "$@"; do
         moe-ablate2) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,gate_up:2x2048w1,gate_up:1x2048w1,gate_up:4x2048w1,gate_up:1x1024w1,gate_up:2x2048w1s1,gate_up:2x2048w1s2,gate_up:2x2048w1s4,down:2x1024w4,down:2x1024w8,down:1x1024w4,down:1x1024w2,down:2x1024w1,wqkv:4x1024w2,wqkv:2x1024w2,wqkv:2x1024w1,wqkv:4x1024w1,wqkv:2x2048w1,wo:2x2048w2,wo:2x2048w2e,wo:2x4096w2,wo:1x4096w2,wo:2x2048w1,combo_a,combo_b,combo_c,base2 ;;
         moe-ablate4) step "$name" 120 python decode_ablation.py qwen3-30b-a3b 272 1 base,gate_up:2x2048w1,down:2x1024w1,base2 ;;
-        # the early down (its routing and weights loaded before the wait on gate/up) against the late one,
-        # and the attention projections' early tiles at their one-row shapes; then issue 23's whole run
-        moe-early) step "$name" 240 python decode_ablation.py qwen3-30b-a3b 272 1 \
-            base,down:1x1024w4late,down:2x1024w4,down:1x1024w2,down:1x1024w8,down:2x1024w8,wqkv:4x1024w1e,wo:2x4096w2e,base2 ;;
-        # batch-1 decode attention's launch configs inside the MoE step, and the early down once more
+        # batch-1 decode attention's launch configs inside the MoE step (not yet run)
         moe-attn1) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,attn1:32w4s2,attn1:32w2s2,attn1:64w2s2,attn1:64w8s2,attn1:16w4s2,attn1:32w4s1,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;

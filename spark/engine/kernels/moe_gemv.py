@@ -14,9 +14,7 @@ reads the experts straight from ``topk_ids`` instead, as matrix-vector products 
 2. down and combine: one program per (token, ``BLOCK_N`` of the D outputs), looping over the
    token's k picks, each pick's product rounded and weighted, the k of them summed in fp32 in
    registers. No atomics and no per-slot ``y``: the sum has one order, so the output is
-   deterministic and each token's result does not depend on the others in the batch. For one
-   token of small experts it may load its picks and their weight rows before waiting on gate/up
-   (``gemv_config``'s ``EARLY``, off by default: slower on an H100).
+   deterministic and each token's result does not depend on the others in the batch.
 
 Decode's one row goes further (``moe_one_row_triton``, the MoE block's part of ``TritonOps.block_one_row``):
 the router's GEMV takes the RMSNorm in its prologue, every gate/up program routes its token from
@@ -67,11 +65,10 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
     keep 2 warps for gate/up and 4 output rows a program for down (1024 programs of 224 KB for one
     Mixtral token); the one-token shapes were not measured there.
 
-    ``EARLY`` (down, one token of small experts; off): the picks and their whole rows of I load before
-    the wait on gate/up, while it streams its own weights. Slower in that step on an H100: 310.4 tok/s
-    against 343.4 without (decode_ablation's ``down:1x1024w4late`` against ``early_down``, 6.5 us a
-    layer): 2048 programs of 4 warps, each routing the token again and holding its rows across the
-    wait, crowd gate/up's programs off the SMs.
+    The down kernel loading its picks and their whole rows of I before its wait on gate/up (routing the
+    token again from the logits) was slower in that step on an H100, 6.4 us a layer in two runs (310.4
+    tok/s against 343.4; 4985353, removed after): 2048 programs of 4 warps holding their rows across the
+    wait crowd gate/up's programs off the SMs.
     """
     np2 = small_linear.triton_next_power_of_2
     if inter <= SMALL_EXPERT and num_tokens == 1:
@@ -119,13 +116,11 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
         x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
         I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, **routing, **up,
         **launch.pdl(gate_up_kernel, x))
-    down = {"EARLY": False, **down}
-    assert not down["EARLY"] or down["BLOCK_K"] >= inter, "the early down loads the whole of I in one step"
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, logits if route else x, x if residual is None else residual, out, w2.stride(0),
-        w2.stride(1), logits.stride(0) if route else 0, 0 if residual is None else residual.stride(0),
-        out.stride(0), num_experts, D=hidden, I=inter, EVEN_K=inter % down["BLOCK_K"] == 0,
-        HAS_RESIDUAL=residual is not None, **routing, **down, **launch.pdl(down_kernel, x))
+        h, w2, ids, weights, x if residual is None else residual, out, w2.stride(0), w2.stride(1),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
+        **down, **launch.pdl(down_kernel, x))
     return out
 
 
@@ -271,11 +266,9 @@ def _kernels():
         tl.store(h_ptr + slot.to(tl.int64) * I + cols, h.to(dtype), mask=cols < I)
 
     @triton.jit
-    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, logits_ptr, residual_ptr, out_ptr, stride_we,
-                             stride_wn, stride_lt, stride_rt, stride_ot, num_experts, D: tl.constexpr, I: tl.constexpr,
-                             TOP_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                             ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                             E_PAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, stride_we, stride_wn,
+                             stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
         # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
@@ -285,63 +278,36 @@ def _kernels():
         row_offsets = tl.minimum(cols, D - 1).to(tl.int64)[:, None] * stride_wn
         ks = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
-        if EARLY:
-            # The picks, their weights' rows and the residual load before the wait on gate/up, while it
-            # streams its own weights: none is its output. The routing is ``route_token`` on the router's logits (ROUTE),
-            # or the ids given, both written before gate/up launched: gate/up's programs each wait on
-            # the kernel before them before they let this one launch. The whole of I in one step
-            # (BLOCK_K >= I): each pick's rows are held in registers across the wait.
-            picks = tl.arange(0, K_PAD)
-            pick_ok = picks < TOP_K
-            if ROUTE:
-                top_w, top_i = _route_token(logits_ptr + token * stride_lt, num_experts, TOP_K, K_PAD, E_PAD,
-                                            RENORMALIZE)
-            else:
-                top_i = tl.load(ids_ptr + token * TOP_K + picks, mask=pick_ok, other=0)
-                top_w = tl.load(weights_ptr + token * TOP_K + picks, mask=pick_ok, other=0.0)
-            k_ok = ks < I
-            w = tl.load(w2_ptr + top_i.to(tl.int64)[:, None, None] * stride_we + row_offsets[None, :, :]
-                        + ks[None, None, :], mask=pick_ok[:, None, None] & k_ok[None, None, :], other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + token * stride_rt + cols, mask=cols < D, other=0.0)
-        if PDL:  # h (and, unless EARLY, the ids and weights) come from the kernels before
+        total = tl.zeros([BLOCK_N], tl.float32)
+        if PDL:  # h, the ids and weights come from the kernels before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if EARLY:
-            a = tl.load(h_ptr + (token * TOP_K + picks)[:, None] * I + ks[None, :],
-                        mask=pick_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)  # [K_PAD, BLOCK_N]
-            # The reference's roundings, as below; padded picks weigh 0.
-            weighted = acc.to(dtype).to(tl.float32) * top_w[:, None]
-            total = tl.sum(weighted.to(dtype).to(tl.float32), axis=0)
-        else:
-            total = tl.zeros([BLOCK_N], tl.float32)
-            # Unrolled over the picks: their expert ids load up front and their weight streams are
-            # independent, so the compiler may put several picks' loads in flight at once.
-            for j in tl.static_range(TOP_K):
-                slot = token * TOP_K + j
-                expert = tl.load(ids_ptr + slot).to(tl.int64)
-                rows = w2_ptr + expert * stride_we + row_offsets
-                h_row = h_ptr + slot * I
-                acc = tl.zeros([BLOCK_N], tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    k = k0 + ks
-                    if EVEN_K:
-                        a = tl.load(h_row + k).to(tl.float32)
-                        w = tl.load(rows + k[None, :])
-                    else:
-                        k_ok = k < I
-                        a = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)
-                        w = tl.load(rows + k[None, :], mask=k_ok[None, :], other=0.0)
-                    acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-                # The reference's roundings: the product, then the weighted product, in x's dtype.
-                weighted = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)
-                total += weighted.to(dtype).to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + token * stride_rt + cols, mask=cols < D, other=0.0)
+        # Unrolled over the picks: their expert ids load up front and their weight streams are
+        # independent, so the compiler may put several picks' loads in flight at once.
+        for j in tl.static_range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(ids_ptr + slot).to(tl.int64)
+            rows = w2_ptr + expert * stride_we + row_offsets
+            h_row = h_ptr + slot * I
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + ks
+                if EVEN_K:
+                    a = tl.load(h_row + k).to(tl.float32)
+                    w = tl.load(rows + k[None, :])
+                else:
+                    k_ok = k < I
+                    a = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(rows + k[None, :], mask=k_ok[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            # The reference's roundings: the product, then the weighted product, in x's dtype.
+            weighted = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)
+            total += weighted.to(dtype).to(tl.float32)
         y = total.to(dtype)
         if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + token * stride_rt + cols, mask=cols < D, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(out_ptr + token * stride_ot + cols, y, mask=cols < D)
+
 
     return moe_gemv_gate_up_kernel, moe_gemv_down_kernel

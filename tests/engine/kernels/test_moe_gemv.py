@@ -113,32 +113,17 @@ def test_gate_up_routes_as_route_triton():
     assert torch.equal(ids, want_i.reshape(-1)) and torch.equal(weights, want_w.reshape(-1))
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
 @pytest.mark.parametrize("routed", [True, False], ids=["from_logits", "from_ids"])
-def test_down_loads_early_or_late_alike(early, routed):
-    # One token of small experts: the down kernel takes its picks and weight rows before the wait on
-    # gate/up (EARLY, off by default: slower on an H100), routing from the logits itself or reading the
-    # given ids; the same sums as after the wait.
+def test_one_token_of_small_experts_routed_or_given(routed):
+    # One token of small experts (gemv_config's one-warp shapes): the down kernel reads the ids and
+    # weights gate/up wrote from the logits, or the ones given; the same sums either way.
     experts, k, hidden, inter = QWEN3_MOE_SMALL
-    config = moe_gemv.gemv_config(hidden, inter, 1)
-    config["down"] = dict(config["down"], EARLY=early)
     h, norm_weight, router, w13, w2, _ = make_one_row(1, QWEN3_MOE_SMALL, torch.float32, seed=11)
     logits = h @ router.T
     weights, ids = moe_routing.route(logits, k, True)
     flat_ids, flat_weights = ids.reshape(-1).to(torch.int32), weights.reshape(-1)
-    if routed:  # garbage in: gate/up writes them from the logits (read by the late down; the early one routes)
+    if routed:  # garbage in: gate/up writes them from the logits
         flat_ids, flat_weights = torch.full_like(flat_ids, -1), torch.full_like(flat_weights, float("nan"))
     got = moe_gemv._launch_gemvs(h, w13, w2, k, flat_ids, flat_weights, logits=logits if routed else None,
-                           renormalize=True, config=config)
+                                 renormalize=True)
     torch.testing.assert_close(got, fused_moe.fused_moe_reference(h, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-
-
-def test_early_down_takes_the_whole_of_i_in_one_step():
-    experts, k, hidden, inter = QWEN3_MOE_SMALL
-    x, w13, w2, weights, ids = make_moe(1, experts, k, hidden, inter, seed=2)
-    config = moe_gemv.gemv_config(hidden, inter, 1)
-    config["down"] = dict(config["down"], BLOCK_K=inter // 2, EARLY=True)
-    with pytest.raises(AssertionError, match="one step"):
-        moe_gemv.fused_moe_gemv_triton(x, w13, w2, weights, ids, config)
-    # Mixtral's wide experts keep the loop over I after the wait.
-    assert not moe_gemv.gemv_config(4096, 14336, 1)["down"].get("EARLY", False)
