@@ -424,20 +424,21 @@ async def add_conversation_items(cid: str):
 
 @bp.get("/v1/conversations/<cid>/items/<item_id>")
 async def get_conversation_item(cid: str, item_id: str):
-    store = await _store()
-    item = await store.conversation_item(_owner(), cid, item_id)
-    if item is None:
-        raise await _item_not_found(store, cid, item_id)
-    return item
+    return await _on_item("conversation_item", cid, item_id)
 
 
 @bp.delete("/v1/conversations/<cid>/items/<item_id>")
 async def delete_conversation_item(cid: str, item_id: str):
+    return await _on_item("delete_conversation_item", cid, item_id)  # the conversation, as OpenAI's
+
+
+async def _on_item(verb: str, cid: str, item_id: str) -> dict:
+    """What the store's ``verb`` on one conversation item gives, or the item's 404 when it gives None."""
     store = await _store()
-    conversation = await store.delete_conversation_item(_owner(), cid, item_id)
-    if conversation is None:
+    found = await getattr(store, verb)(_owner(), cid, item_id)
+    if found is None:
         raise await _item_not_found(store, cid, item_id)
-    return conversation
+    return found
 
 
 async def _item_not_found(store: AsyncStore, cid: str, item_id: str) -> ApiError:
