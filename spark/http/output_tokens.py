@@ -11,16 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spark.actors.messages import RequestOutput, TokenLogprob
+from spark.actors.messages import TokenLogprob
 from spark.http.formatting import token_logprobs
-
-
-def text_tokens(piece: RequestOutput) -> tuple[TokenLogprob, ...]:
-    """A piece's logprobs, less the token the engine stopped on: EOS is a control token that writes no
-    text, and OpenAI's logprobs (chat, completions, Responses) hold the tokens of the text alone."""
-    if piece.finish_reason == "stop" and piece.stop_string is None:
-        return piece.logprobs[:-1]
-    return piece.logprobs
 
 
 class OutputTokens:
@@ -44,6 +36,8 @@ class OutputTokens:
         tokens' bytes do not hold the text (a tokenizer whose pieces do not join into its text), every
         token waiting is taken.
         """
+        if not self._waiting:  # no logprobs asked for, or none left: nothing to look up
+            return []
         written = b"".join(data for _, data in self._waiting)
         start = _token_aligned_find(written, text.encode(), self._starts())
         if start < 0:

@@ -37,8 +37,8 @@ from spark.core.scheduler import PrefixPin
 from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
+from spark.http.formatting import text_tokens
 from spark.http.gateway import generates
-from spark.http.output_tokens import text_tokens
 from spark.http.params import logprobs_k, sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
                                        ResponsesRequest, chat_messages, chat_tools, check_include, check_metadata,

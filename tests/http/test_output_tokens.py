@@ -4,7 +4,8 @@ Responses route feeds it): pure, no server."""
 from __future__ import annotations
 
 from spark.actors.messages import RequestOutput, TokenLogprob
-from spark.http.output_tokens import OutputTokens, text_tokens
+from spark.http.formatting import text_tokens
+from spark.http.output_tokens import OutputTokens
 from spark.http.response_items import OutputBuilder
 from spark.http.turn import ContentDelta, ReasoningDelta, ToolCallDelta
 
