@@ -109,13 +109,12 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
     if num_tokens == 0:
         return out
     route = logits is not None
-    routing = dict(TOP_K=top_k, ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
-                   E_PAD=triton.next_power_of_2(num_experts))
     gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13, ids, h, logits if route else x, weights, x if norm_weight is None else norm_weight, eps,
         x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
-        I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, **routing, **up,
-        **launch.pdl(gate_up_kernel, x))
+        I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
+        ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts), **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, w2, ids, weights, x if residual is None else residual, out, w2.stride(0), w2.stride(1),
         0 if residual is None else residual.stride(0), out.stride(0),
