@@ -240,6 +240,12 @@ for bn, w, st in ((32, 4, 2), (32, 2, 2), (64, 2, 2), (64, 8, 2), (16, 4, 2), (3
 # context; 1 drops the reduce kernel, one launch a layer).
 for n in (1, 2, 8):
     variants[f"splits:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b == 1 else real_choose(b, h, ctx), "rows": "one"}
+# Fewer partitions of wider key blocks: at a 129-256-token context one 256-key block is the whole
+# context, loaded before the wait (EARLY_LOADS), and with one partition no reduce launch follows.
+for bn, w, st, n in ((256, 8, 1, 1), (256, 16, 1, 1), (128, 8, 1, 1), (128, 4, 2, 1), (128, 8, 1, 2), (128, 4, 1, 2)):
+    variants[f"attn1:{bn}w{w}s{st}+splits:{n}"] = {
+        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, c=pa.DecodeConfig(bn, w, st): c},
+        "choose": lambda b, h, ctx, n=n: n if b == 1 else real_choose(b, h, ctx), "rows": "one"}
 # ... and at 33-64 rows, where one program per (sequence, kv head) walks every key serially.
 for n in (2, 3, 4):
     variants[f"splits_rows:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b > 16 else real_choose(b, h, ctx), "rows": "dot"}

@@ -87,9 +87,9 @@ for name in "$@"; do
         moe-ablate2) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,gate_up:2x2048w1,gate_up:1x2048w1,gate_up:4x2048w1,gate_up:1x1024w1,gate_up:2x2048w1s1,gate_up:2x2048w1s2,gate_up:2x2048w1s4,down:2x1024w4,down:2x1024w8,down:1x1024w4,down:1x1024w2,down:2x1024w1,wqkv:4x1024w2,wqkv:2x1024w2,wqkv:2x1024w1,wqkv:4x1024w1,wqkv:2x2048w1,wo:2x2048w2,wo:2x2048w2e,wo:2x4096w2,wo:1x4096w2,wo:2x2048w1,combo_a,combo_b,combo_c,base2 ;;
         moe-ablate4) step "$name" 120 python decode_ablation.py qwen3-30b-a3b 272 1 base,gate_up:2x2048w1,down:2x1024w1,base2 ;;
-        # batch-1 decode attention's launch configs inside the MoE step (not yet run)
-        moe-attn1) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
-            base,attn1:32w4s2,attn1:32w2s2,attn1:64w2s2,attn1:64w8s2,attn1:16w4s2,attn1:32w4s1,base2 ;;
+        # batch-1 decode attention's launch configs inside the MoE step, and wider key blocks in fewer partitions
+        moe-attn1) step "$name" 240 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,attn1:256w8s1+splits:1,attn1:256w16s1+splits:1,attn1:128w8s1+splits:1,attn1:128w4s2+splits:1,attn1:128w8s1+splits:2,attn1:128w4s1+splits:2,attn1:32w4s2,attn1:32w2s2,attn1:64w2s2,attn1:64w8s2,attn1:32w4s1,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;
