@@ -39,6 +39,10 @@ KV_DTYPE_CASES = [
     ("8b-b32-ctx4096", 32, 8, 128, 32, 4096),
     ("8b-b1-ctx32768", 32, 8, 128, 1, 32768),
 ]
+# --one-row: batch-1 decode as the engine launches it (config and splits its own choice), by context and by
+# the block table's width (the model's max length, which the split count follows): (name, heads, kv heads, head dim)
+ONE_ROW_SHAPES = [("8b", 32, 8, 128), ("qwen3-moe", 32, 4, 128)]
+ONE_ROW_CONTEXTS = [(255, 272), (255, 40960), (2047, 40960), (32767, 40960)]  # (context, max model length)
 # (name, heads, kv heads, head dim, sequences, new tokens each, context before them)
 PREFILL_CASES = [
     ("8b-4x512", 32, 8, 128, 4, 512, 0),
@@ -123,6 +127,38 @@ def decode_case(case, configs, kv_dtype: str = "bf16") -> list[dict]:
     return rows
 
 
+def one_row_case(shape, context: int, max_len: int) -> dict:
+    """Batch-1 decode of ``shape`` at ``context`` keys as the engine launches it (no config, no split count
+    given: the tree's own choices), the block table ``max_len`` keys wide; timed as ``decode_case`` times."""
+    from spark.engine.kernels import paged_attention as pa
+
+    name, heads, kv_heads, head_dim = shape
+    k_cache, v_cache, tables = paged_cache(1, context, kv_heads, head_dim)
+    width = -(-max_len // PAGE)
+    tables = torch.cat([tables, tables[:, :1].expand(1, width - tables.shape[1])], dim=1).contiguous()
+    copies = max(1, min(512, -(-(128 << 20) // (2 * k_cache.numel() * k_cache.element_size()))))
+    caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)]
+    seq_lens = torch.full((1,), context + 1, dtype=torch.int32, device="cuda")
+    positions = seq_lens.long() - 1
+    slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
+    q = torch.randn(1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    scale = head_dim**-0.5
+
+    def call(kv=(k_cache, v_cache)):
+        return pa.paged_decode_attention_rope_triton(q, k, v, positions, inv_freq, *kv, slots, tables, seq_lens, scale)
+    want = pa.paged_decode_attention_rope_reference(q, k, v, positions, inv_freq, k_cache.clone(), v_cache.clone(),
+                                                    slots, tables, seq_lens, scale)
+    err = (call().float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
+    us = graph_time_us([functools.partial(call, kv) for kv in caches])
+    row = {"kernel": "decode_rope_one_row", "case": f"{name}-ctx{context + 1}-max{max_len}", "us": round(us, 2),
+           "max_rel_err": round(err, 4)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def prefill_case(case, configs) -> list[dict]:
     from spark.engine.kernels import prefill_attention as pf
 
@@ -175,8 +211,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the default configs only")
     ap.add_argument("--kv-dtypes", action="store_true",
                     help="only issue 22's decode shapes, bf16 and fp8 caches: the defaults, and a sweep of fp8 configs")
+    ap.add_argument("--one-row", action="store_true",
+                    help="only batch-1 decode as the engine launches it, by context and max model length")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.one_row:
+        torch.manual_seed(0)
+        rows = [one_row_case(shape, ctx, max_len) for shape in ONE_ROW_SHAPES for ctx, max_len in ONE_ROW_CONTEXTS]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"bench": "attention_one_row", "rows": rows}, f, indent=1)
+        return 0 if all(map(_close_enough, rows)) else 1
     import attrs
 
     from spark.engine.kernels.paged_attention import DecodeConfig

@@ -90,6 +90,10 @@ for name in "$@"; do
         # batch-1 decode attention's launch configs inside the MoE step, and wider key blocks in fewer partitions
         moe-attn1) step "$name" 240 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,attn1:256w8s1+splits:1,attn1:256w16s1+splits:1,attn1:128w8s1+splits:1,attn1:128w4s2+splits:1,attn1:128w8s1+splits:2,attn1:128w4s1+splits:2,attn1:32w4s2,attn1:32w2s2,attn1:64w2s2,attn1:64w8s2,attn1:32w4s1,base2 ;;
+        # batch-1 decode attention alone as the engine launches it (8B and Qwen3-MoE heads, 256 to 32k keys),
+        # and 8B's batch-1 decode
+        attn-one-row) step "$name" 120 python attention_bench.py --one-row --out "$OUT/attn-one-row.json" ;;
+        b1-8b) step "$name" 150 python offline_decode.py --only llama-3.1-8b:1 --no-hf --out "$OUT/b1-8b.json" ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;
