@@ -208,7 +208,7 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
 for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
                   (64, 4, 1), (32, 4, 1), (128, 4, 1), (64, 2, 1), (128, 8, 1)):
     variants[f"attn:{bn}w{w}s{st}"] = {
-        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
+        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, one_row=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "dot"}
 
 
 def gate_in_w2(self, h, rope, k_cache, v_cache, meta):
@@ -233,9 +233,9 @@ for name, shape, cfgs in [
     for cfg in cfgs:
         variants[f"{name}:{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}"] = {"cfg": cfg_for({shape: cfg}), "rows": "one"}
 # ... and at batch 1 (a short context in a few partitions: each program walks one or two key blocks).
-for bn, w, st in ((32, 4, 2), (32, 2, 2), (64, 2, 2), (64, 8, 2), (16, 4, 2), (32, 4, 1)):
+for bn, w, st in ((32, 4, 2), (32, 2, 2), (64, 2, 2), (64, 8, 2), (16, 4, 2), (32, 4, 1), (64, 4, 2), (128, 8, 1)):
     variants[f"attn1:{bn}w{w}s{st}"] = {
-        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "one"}
+        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, one_row=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "one"}
 # Split-KV partitions of batch-1 decode attention (the heuristic picks 4 at a 272-token
 # context; 1 drops the reduce kernel, one launch a layer).
 for n in (1, 2, 8):
@@ -244,7 +244,7 @@ for n in (1, 2, 8):
 # context, loaded before the wait (EARLY_LOADS), and with one partition no reduce launch follows.
 for bn, w, st, n in ((256, 8, 1, 1), (256, 16, 1, 1), (128, 8, 1, 1), (128, 4, 2, 1), (128, 8, 1, 2), (128, 4, 1, 2)):
     variants[f"attn1:{bn}w{w}s{st}+splits:{n}"] = {
-        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, c=pa.DecodeConfig(bn, w, st): c},
+        "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, one_row=False, c=pa.DecodeConfig(bn, w, st): c},
         "choose": lambda b, h, ctx, n=n: n if b == 1 else real_choose(b, h, ctx), "rows": "one"}
 # ... and at 33-64 rows, where one program per (sequence, kv head) walks every key serially.
 for n in (2, 3, 4):
