@@ -99,6 +99,9 @@ for name in "$@"; do
         b1-wide-table) step "$name-8b" 120 python decode_ablation.py llama-3.1-8b 40960 1 base,attn1:64w4s2,attn1:128w8s1,base2
             step "$name-moe" 120 python decode_ablation.py qwen3-30b-a3b 40960 1 base,attn1:64w4s2,attn1:128w8s1,base2 ;;
         # batch 1 in the chain, 8B and Qwen3-MoE, under the benchmarks' 272-key table and a server's 40960-key one
+        b1-wide-pair) for preset in qwen3-30b-a3b llama-3.1-8b; do
+                step "$name-$preset" 60 python decode_ablation.py $preset 40960 1 base,attn1:64w4s2
+            done ;;
         b1-tables|b1-tables-wide) for mml in $([ $name = b1-tables ] && echo 272) 40960; do
                 for preset in qwen3-30b-a3b llama-3.1-8b; do
                     step "$name-$preset-$mml" 100 python decode_ablation.py $preset $mml 1 base,attn1:64w4s2,attn1:128w8s1,base2
