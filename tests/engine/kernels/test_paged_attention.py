@@ -192,6 +192,9 @@ def test_choose_num_splits():
     assert choose_num_splits(batch=1, num_kv_heads=1, max_context=1 << 20) == 32
     # Never more partitions than a minimum-size partition allows.
     assert choose_num_splits(batch=2, num_kv_heads=2, max_context=1024) == 16
+    # ... of the launch's own key step: one row's 128 keys
+    assert choose_num_splits(batch=1, num_kv_heads=4, max_context=272, min_keys=128) == 2
+    assert choose_num_splits(batch=1, num_kv_heads=4, max_context=40960, min_keys=128) == 32
 
 
 def _decode_step(context_lens, page_size, num_kv_heads, group, head_dim, dtype=torch.float32, cache_dtype=None, seed=0):
@@ -356,9 +359,63 @@ def test_pdl_is_off_off_the_gpu():
     assert launch.pdl(kernel, torch.zeros(1)) == {"PDL": False}
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_split_decode_merges_only_the_partitions_holding_keys(rope, monkeypatch):
+    """Partitions past a short context return at once and write nothing; the reduce merges only
+    those holding keys. Fresh buffers are NaN here: a merge that read an unwritten partition would
+    come out NaN."""
+    from spark.engine.kernels import paged_attention
+
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    contexts = [1, 0, 17, 65, 300]
+    step = _decode_step(contexts, 16, 2, 4, 64, seed=5)
+    if rope:
+        expected, _, _ = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+    else:
+        (q, _, _), _, _, caches, block_tables, seq_lens = step
+        caches = tuple(c.nan_to_num() for c in caches)  # no write this step: the new slots hold a key
+        expected = paged_decode_attention_reference(q, *caches, block_tables, seq_lens, 0.125)
+    monkeypatch.setattr(paged_attention.torch, "empty", nan_empty)
+    for num_splits in (2, 8):
+        if rope:
+            out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
+        else:
+            out = paged_decode_attention_triton(q, *caches, block_tables, seq_lens, 0.125, num_splits=num_splits,
+                                                out=torch.zeros_like(q))
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_config_follows_head_dim():
     assert decode_config(128) == DecodeConfig(block_n=64, num_warps=4, num_stages=2)
     assert decode_config(64).num_warps == 2
+
+
+def test_decode_config_of_one_row_takes_wider_steps():
+    """Batch 1 (rope fused) over a bf16 cache: 128 keys a step on 8 warps, unpipelined; an fp8 cache
+    keeps its own config."""
+    assert decode_config(128, one_row=True) == DecodeConfig(block_n=128, num_warps=8, num_stages=1)
+    assert decode_config(128, True, one_row=True) == decode_config(128, True)
+
+
+def test_one_row_decode_splits_by_its_own_key_step(monkeypatch):
+    """A batch-1 launch given no split count partitions by its 128-key step: a 272-key table in 2, where
+    64-key steps made 4 (each partition is whole steps; the result is the reference's either way)."""
+    from spark.engine.kernels import paged_attention
+
+    seen = []
+    real = paged_attention.choose_num_splits
+    monkeypatch.setattr(paged_attention, "choose_num_splits", lambda *a: seen.append(a) or real(*a))
+    step = _decode_step([250], 16, 1, 4, 128, seed=3)  # a table of 17 pages
+    out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step)
+    expected, _, _ = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert seen == [(1, 1, step[4].shape[1] * 16, 128)] and real(*seen[0]) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
