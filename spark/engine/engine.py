@@ -320,7 +320,6 @@ class Engine:
         """Queue the forward of the chunks ``kept`` and the sampling of ``step``'s rows on the device
         (``logit_rows``: the rows whose logits are needed, when not each chunk's last; ``targets``: the
         prompt tokens that ``step.scored``'s rows predict)."""
-        dev = self.device
         # (tokens, rows, picks): ids[rows] = tokens[picks], on the device, for each launched step read from.
         fed = [(launched.token_ids, dst, src) for launched, (dst, src) in feeds.items()]
         decode_only = len(ids) == len(kept)

@@ -10,7 +10,7 @@ from contextlib import aclosing
 import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from quart import Blueprint, Response, current_app, g, request
+from quart import Blueprint, Response, current_app, g
 
 from spark.actors.messages import RequestOutput, TokenLogprob
 from spark.control.served import ServedModel

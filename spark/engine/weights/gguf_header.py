@@ -10,7 +10,6 @@ tokenizer reads its own arrays when it builds itself.
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from typing import Any
