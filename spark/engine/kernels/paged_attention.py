@@ -103,6 +103,19 @@ def decode_config(head_dim: int, fp8_cache: bool = False, one_row: bool = False)
     return DecodeConfig(block_n=FP8_BLOCK_N if fp8_cache else _BLOCK_N, num_warps=4 if head_dim >= 128 else 2)
 
 
+def one_row_fits(batch: int, num_kv_heads: int, head_dim: int, max_context: int) -> bool:
+    """Whether a decode launch takes `decode_config`'s one-row steps: one sequence of 128-dim heads
+    whose programs (kv heads x partitions of a one-row step) each have an SM to themselves (about
+    half of `_TARGET_PROGRAMS`). Sharing SMs, 8 warps of unpipelined loads lose to 4 pipelined:
+    Llama-3.1-8B (8 kv heads, 32 partitions of a 40960-key table) at batch 1 on an H100 took
+    73.2 us over a 32768-key context against 60.2 (attention_bench.py --one-row), and 176.5 tok/s in
+    its graphed step against 183.0 (decode_ablation.py); Qwen3-30B-A3B's 4 kv heads, 128 programs,
+    40.0 us against 43.3."""
+    if batch != 1 or head_dim < 128:
+        return False
+    return num_kv_heads * choose_num_splits(1, num_kv_heads, max_context, ONE_ROW_BLOCK_N) <= _TARGET_PROGRAMS // 2
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -351,9 +364,11 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads and k_cache.shape[3] == head_dim
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    cfg = config or decode_config(head_dim, k_cache.dtype == fp8.FP8, batch == 1 and rope_args is not None)
+    max_context = block_tables.shape[1] * page_size
+    cfg = config or decode_config(head_dim, k_cache.dtype == fp8.FP8,
+                                  rope_args is not None and one_row_fits(batch, num_kv_heads, head_dim, max_context))
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, cfg.block_n)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, cfg.block_n)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     else:

@@ -403,6 +403,15 @@ def test_decode_config_of_one_row_takes_wider_steps():
     assert decode_config(128, True, one_row=True) == decode_config(128, True)
 
 
+def test_one_row_steps_only_where_each_program_has_an_sm():
+    from spark.engine.kernels.paged_attention import one_row_fits
+
+    assert one_row_fits(1, 4, 128, 40960)  # Qwen3-30B-A3B: 4 kv heads x 32 partitions
+    assert not one_row_fits(1, 8, 128, 40960)  # Llama-3.1-8B: 8 x 32 share SMs
+    assert one_row_fits(1, 8, 128, 272)  # ... in 2 partitions, not
+    assert not one_row_fits(2, 4, 128, 272) and not one_row_fits(1, 3, 64, 272)  # one row of 128-dim heads only
+
+
 def test_one_row_decode_splits_by_its_own_key_step(monkeypatch):
     """A batch-1 launch given no split count partitions by its 128-key step: a 272-key table in 2, where
     64-key steps made 4 (each partition is whole steps; the result is the reference's either way)."""
@@ -415,7 +424,7 @@ def test_one_row_decode_splits_by_its_own_key_step(monkeypatch):
     out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step)
     expected, _, _ = _run_rope_decode(paged_decode_attention_rope_reference, *step)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert seen == [(1, 1, step[4].shape[1] * 16, 128)] and real(*seen[0]) == 2
+    assert seen[-1] == (1, 1, step[4].shape[1] * 16, 128) and real(*seen[-1]) == 2  # the launch's own ask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
