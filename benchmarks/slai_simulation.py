@@ -139,6 +139,8 @@ def run(policy: str, scenario: Scenario = Scenario(), step_trace: str | None = N
                         first_token.setdefault(out.seq_id, event.time)
                         if out.finish_reason is not None:
                             done.add(out.seq_id)
+    if core.step_log is not None:
+        core.step_log.close()
     window_start, window_end = scenario.warmup, clock()  # every long prompt is done
     gaps = tuple(
         b - a for times in token_times.values() for a, b in zip(times, times[1:]) if window_start < b <= window_end

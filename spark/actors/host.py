@@ -58,17 +58,25 @@ def new_core(engine: StepEngine, config: ServeConfig, *, clock: Callable[[], flo
         grammars = XGrammars(engine.tokenizer, engine.vocab_size)
     return Core(engine, scheduler, depth=config.scheduler_depth or DEFAULT_DEPTH, clock=clock,
                 faults=Faults.parse(config.faults), grammars=grammars, speculation=config.spec_config(),
-                step_log=step_trace(config.step_trace) if config.step_trace else None)
+                step_log=StepTrace(config.step_trace) if config.step_trace else None)
 
 
-def step_trace(path: str) -> Callable[[dict], None]:
-    """``Core``'s step_log writing JSON lines to ``path`` (appended, line-buffered: a crash keeps them)."""
-    out = open(path, "a", buffering=1)
+class StepTrace:
+    """``Core``'s step_log writing JSON lines to ``path`` (appended, line-buffered: a crash keeps them),
+    until closed: its ``CoreLoop`` closes it when the session ends (a profile switch opens another)."""
 
-    def write(record: dict) -> None:
-        out.write(json.dumps(record) + "\n")
+    def __init__(self, path: str):
+        self._out = open(path, "a", buffering=1)
 
-    return write
+    def __call__(self, record: dict) -> None:
+        self._out.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._out.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._out.closed
 
 
 # -- the core's side ------------------------------------------------------------------------------
@@ -86,6 +94,13 @@ class CoreLoop:
         self.slow_turns = SlowTurns(slow_turn_ms / 1000.0) if slow_turn_ms else None
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if isinstance(self.core.step_log, StepTrace):
+                self.core.step_log.close()
+
+    def _run(self) -> None:
         core = self.core
         while True:
             idle = not core.busy and not self.capturing

@@ -62,7 +62,9 @@ class RequestOutput:
     request_id: str
     text: str  # new text since the previous piece (may be empty)
     token_ids: tuple[int, ...]  # tokens whose text is (or was held back into) this piece
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when logprobs were asked for
+    # when logprobs were asked for: those of the tokens whose text begins in this piece (``streamer``
+    # holds them with held text), and none of a matched stop string's
+    logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "error" on the last piece
     stop_string: str | None = None  # the stop string that matched, if one did
     num_prompt_tokens: int = 0

@@ -65,6 +65,13 @@ class _Stream:
     num_output: int = 0
     last_time: float | None = None
     num_cached: int = 0  # prompt tokens its prefill found cached
+    # Logprobs go out with their token's text: (the character of the text where the token's own
+    # begins, its logprob) for each token whose text is not out yet (held back as the possible
+    # start of a stop string, or bytes of a character not complete). A stop string drops those
+    # whose text begins at or after it: the tokens then join into the text, as in the text's own.
+    logprobs_held: list[tuple[int, TokenLogprob]] = attrs.Factory(list)
+    text_made: int = 0  # characters the detokenizer has made
+    text_sent: int = 0  # ... and those sent, held ones not counted
 
 
 async def run(
@@ -119,11 +126,12 @@ async def _on_batch(streams: dict[str, _Stream], batch: TokenBatch, tokenizer, c
 def _on_failed(streams: dict[str, _Stream], msg: Failed) -> None:
     stream = streams.pop(msg.request_id, None)
     if stream is not None:
-        text = ""
-        if msg.reason == "length" and stream.detok:  # a normal end: release held text
+        text, logprobs = "", ()
+        if msg.reason == "length" and stream.detok:  # a normal end: release held text, and its tokens
             text = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush()
+            logprobs = _logprobs_out(stream, everything=True)
         _send(stream, RequestOutput(
-            msg.request_id, text, (), finish_reason=msg.reason,
+            msg.request_id, text, (), logprobs, finish_reason=msg.reason,
             error=msg.error if msg.reason == "error" else None,
             num_prompt_tokens=len(stream.submission.request.prompt_ids), num_output_tokens=stream.num_output,
             num_cached_tokens=stream.num_cached,
@@ -135,6 +143,7 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     sub = stream.submission
     req = sub.request
     stream.num_output += 1
+    start = stream.text_made
     if stream.last_time is None:
         metrics.time_to_first_token.observe(now - sub.arrival)
         error = metrics.ttft.first_token(req.request_id, now - sub.arrival)
@@ -146,13 +155,15 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     text = stream.detok.push(out.token_id) if stream.detok else ""
     if out.finish_reason is not None and stream.detok:
         text += stream.detok.flush()
+    stream.text_made += len(text)
     text, stop = stream.stop.feed(text)
     finish = "stop" if stop is not None else out.finish_reason
     if finish is not None and stop is None:
         text += stream.stop.flush()
-    logprobs = ()
+    stream.text_sent += len(text)
     if req.params.logprobs is not None and out.logprob is not None:
-        logprobs = (_token_logprob(tokenizer, out.token_id, out.logprob, out.top_logprobs),)
+        stream.logprobs_held.append((start, _token_logprob(tokenizer, out.token_id, out.logprob, out.top_logprobs)))
+    logprobs = _logprobs_out(stream, everything=(finish is not None and stop is None) or not stream.detok)
     prompt = None
     if out.prompt_logprobs is not None:
         prompt = tuple(_token_logprob(tokenizer, p.token_id, p.logprob, p.top_logprobs) for p in out.prompt_logprobs)
@@ -165,6 +176,16 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
         metrics.e2e_request_latency.observe(now - sub.arrival)
     _send(stream, piece, close=finish is not None)
     return finish is not None
+
+
+def _logprobs_out(stream: _Stream, *, everything: bool = False) -> tuple[TokenLogprob, ...]:
+    """The held logprobs whose token's text has begun to go out (``everything``: all of them, at a
+    normal end), in order; after a stop string the rest are dropped by the stream's end."""
+    held = stream.logprobs_held
+    cut = len(held) if everything else next((k for k, (at, _) in enumerate(held) if at >= stream.text_sent), len(held))
+    out = tuple(lp for _, lp in held[:cut])
+    del held[:cut]
+    return out
 
 
 def _send(stream: _Stream, piece: RequestOutput, *, close: bool) -> None:

@@ -116,3 +116,26 @@ def test_the_core_loop_reports_its_gauges_before_it_sleeps():
     assert (last.kv_pages_used, last.requests_running, last.requests_waiting) == (0, 0, 0)
     assert sum(len(o.metrics.steps) for o in seen) >= 3  # the prefill and the decodes
     assert sum(len(o.metrics.queue_times) for o in seen) == 1
+
+
+def test_the_core_loop_closes_its_step_trace_when_the_session_ends(tmp_path):
+    """A session's step trace is its file: written as steps are collected, closed with the session
+    (a profile switch opens the next session's)."""
+    from spark.actors.host import StepTrace
+    from tests.actors.engine_double import EngineDouble
+
+    path = tmp_path / "steps.jsonl"
+    core = new_core(EngineDouble(), ServeConfig(max_prefill_tokens=8, step_trace=str(path)))
+    assert isinstance(core.step_log, StepTrace) and not core.step_log.closed
+    inbox, outs = queue.SimpleQueue(), queue.SimpleQueue()
+    loop = threading.Thread(target=CoreLoop(core, inbox, outs.put).run)
+    loop.start()
+    inbox.put([Admit(GenerateRequest("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=3)), 0.0)])
+    while not any(isinstance(e, TokenBatch) and any(t.finish_reason for t in e.outputs)
+                  for e in outs.get(timeout=10).events):
+        pass
+    assert not core.step_log.closed  # steps still come while the session lasts
+    inbox.put(None)
+    loop.join(10)
+    assert core.step_log.closed
+    assert len(path.read_text().splitlines()) >= 3  # the prefill and the decodes

@@ -102,6 +102,30 @@ def test_stop_string_ends_output_before_it(server):
                         extra_body={"ignore_eos": True}) == choice.message.content
 
 
+def test_logprobs_end_where_a_stop_string_cuts_the_text(server):
+    # The tokens of the stop string (and any after it) are no logprob entries: the tokens join into the
+    # content, whole and streamed, and each streamed chunk's tokens into its own text.
+    full = _chat(server, max_tokens=24, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    tokens = [e.token for e in full.choices[0].logprobs.content]
+    starts = [len("".join(tokens[:k])) for k in range(len(tokens))]
+    text = "".join(tokens)
+
+    def stop_at(k):  # a stop string that begins with token k and ends inside the next (met there first)
+        stop = tokens[k] + tokens[k + 1][:1]
+        return stop if len(tokens[k]) > 1 and text.find(stop) == starts[k] else None
+    k = next(k for k in range(len(tokens) // 3, len(tokens) - 1) if stop_at(k))
+    stop = stop_at(k)
+    r = _chat(server, max_tokens=24, temperature=0, logprobs=True, stop=[stop], extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == full.choices[0].message.content[: starts[k]]
+    assert [e.token for e in choice.logprobs.content] == tokens[:k]
+    chunks = [c for chunk in _chat(server, max_tokens=24, temperature=0, logprobs=True, stop=[stop], stream=True,
+                                   extra_body={"ignore_eos": True}) for c in chunk.choices]
+    streamed = [[e.token for e in c.logprobs.content] if c.logprobs else [] for c in chunks]
+    assert sum(streamed, []) == tokens[:k]
+    assert all("".join(t) == (c.delta.content or "") for t, c in zip(streamed, chunks))
+
+
 def test_same_seed_same_text(server):
     texts = [_chat(server, max_tokens=12, temperature=1.0, seed=1234).choices[0].message.content for _ in range(2)]
     assert texts[0] == texts[1]
