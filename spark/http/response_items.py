@@ -299,7 +299,7 @@ class OutputBuilder:
                                  {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
             tokens = self._tokens.take(text)
             part = self._open["content"][0]
-            part["logprobs"] = part["logprobs"] + tokens  # a new list: the events before share the old one
+            part["logprobs"].extend(tokens)  # the part's added event holds a copy
             out.append(self._text_delta("response.output_text.delta", text, logprobs=tokens))
         elif isinstance(event, RefusalDelta) and event.text:
             self._tokens.take(event.text)
@@ -341,7 +341,7 @@ class OutputBuilder:
         if part is not None:
             item["content"].append(part)
             out.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
-                        "content_index": 0, "part": dict(part)})
+                        "content_index": 0, "part": {**part, "logprobs": []} if "logprobs" in part else dict(part)})
         return out
 
     def _text_delta(self, kind: str, text: str, **extra) -> dict:

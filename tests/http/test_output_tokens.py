@@ -92,3 +92,17 @@ def test_tokens_that_do_not_join_into_the_text_are_all_taken():
     tokens.add(_tokens("▁Hello", "▁world"))  # a tokenizer whose pieces are not their text
     assert [e["token"] for e in tokens.take("Hello world")] == ["▁Hello", "▁world"]
     assert tokens.take("!") == []
+
+
+def test_events_already_made_keep_the_logprobs_they_had():
+    # the part grows in place as deltas come; its added event (written out later, in the piece's one
+    # write) still shows it as it was, empty
+    builder = OutputBuilder()
+    events = []
+    for text in ("Hi", " there"):
+        builder.add_tokens(_tokens(text))
+        events += builder.feed(ContentDelta(text))
+    added = next(e for e in events if e["type"] == "response.content_part.added")
+    assert added["part"]["logprobs"] == [] and added["part"]["text"] == ""
+    builder.close()
+    assert _joined(builder.output[0]["content"][0]["logprobs"]) == "Hi there"
