@@ -63,7 +63,7 @@ class RequestOutput:
     text: str  # new text since the previous piece (may be empty)
     token_ids: tuple[int, ...]  # tokens whose text is (or was held back into) this piece
     # when logprobs were asked for: those of the tokens whose text begins in this piece (``streamer``
-    # holds them with held text), and none of a matched stop string's
+    # holds them with held text), none of a matched stop string's nor of the token the engine stopped on
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "error" on the last piece
     stop_string: str | None = None  # the stop string that matched, if one did

@@ -68,7 +68,8 @@ class _Stream:
     # Logprobs go out with their token's text: (the character of the text where the token's own
     # begins, its logprob) for each token whose text is not out yet (held back as the possible
     # start of a stop string, or bytes of a character not complete). A stop string drops those
-    # whose text begins at or after it: the tokens then join into the text, as in the text's own.
+    # whose text begins at or after it, and the token the engine stopped on has none: the tokens
+    # then join into the text, as OpenAI's logprobs (chat, completions, Responses) do.
     logprobs_held: list[tuple[int, TokenLogprob]] = attrs.Factory(list)
     text_made: int = 0  # characters the detokenizer has made
     text_sent: int = 0  # ... and those sent, held ones not counted
@@ -143,7 +144,6 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     sub = stream.submission
     req = sub.request
     stream.num_output += 1
-    start = stream.text_made
     if stream.last_time is None:
         metrics.time_to_first_token.observe(now - sub.arrival)
         error = metrics.ttft.first_token(req.request_id, now - sub.arrival)
@@ -152,6 +152,7 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     else:
         metrics.inter_token_latency.observe(now - stream.last_time)
     stream.last_time = now
+    start = stream.text_made
     text = stream.detok.push(out.token_id) if stream.detok else ""
     if out.finish_reason is not None and stream.detok:
         text += stream.detok.flush()
@@ -161,7 +162,8 @@ def _on_token(stream: _Stream, out: TokenOutput, now: float, tokenizer, metrics:
     if finish is not None and stop is None:
         text += stream.stop.flush()
     stream.text_sent += len(text)
-    if req.params.logprobs is not None and out.logprob is not None:
+    # The token the engine stopped on (EOS, a stop token) is a control token that writes no text: no entry.
+    if req.params.logprobs is not None and out.logprob is not None and out.finish_reason != "stop":
         stream.logprobs_held.append((start, _token_logprob(tokenizer, out.token_id, out.logprob, out.top_logprobs)))
     logprobs = _logprobs_out(stream, everything=(finish is not None and stop is None) or not stream.detok)
     prompt = None

@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 
-from spark.actors.messages import RequestOutput, TokenLogprob
+from spark.actors.messages import TokenLogprob
 from spark.parsers import ReasoningDelta, ToolCallDelta, to_openai_tool_call_deltas
 from spark.parsers.citations import Citation
 from spark.parsers.refusal import RefusalDelta
@@ -64,14 +64,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 # -- chat -----------------------------------------------------------------------
-
-
-def text_tokens(piece: RequestOutput) -> tuple[TokenLogprob, ...]:
-    """A piece's logprobs, less the token the engine stopped on: EOS is a control token that writes no
-    text, and OpenAI's logprobs (chat, completions, Responses) hold the tokens of the text alone."""
-    if piece.finish_reason == "stop" and piece.stop_string is None:
-        return piece.logprobs[:-1]
-    return piece.logprobs
 
 
 def token_logprobs(logprobs: Sequence[TokenLogprob]) -> list[dict]:

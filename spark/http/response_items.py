@@ -273,7 +273,7 @@ class OutputBuilder:
         self._tokens = OutputTokens()
 
     def add_tokens(self, logprobs: Sequence[TokenLogprob]) -> None:
-        """Tokens just generated (``formatting.text_tokens`` of a piece), given before their piece's events.
+        """Tokens just generated (a piece's ``logprobs``), given before their piece's events.
 
         The message text they write takes them as its logprobs; the reasoning, refusal or call they write
         drops them, as OpenAI shows the logprobs of output text only.

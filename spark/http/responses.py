@@ -37,7 +37,6 @@ from spark.core.scheduler import PrefixPin
 from spark.http import spine
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
-from spark.http.formatting import text_tokens
 from spark.http.gateway import generates
 from spark.http.params import logprobs_k, sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
@@ -303,7 +302,7 @@ async def _turn_events(fanin: FanIn, parser: TurnParser, builder: OutputBuilder)
     async with aclosing(turn_steps(fanin, [parser])) as steps:
         async for _, piece, events in steps:
             if piece is not None:
-                builder.add_tokens(text_tokens(piece))  # none unless the request included the logprobs
+                builder.add_tokens(piece.logprobs)  # none unless the request included the logprobs
             for event in events:
                 yield event
 

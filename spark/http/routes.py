@@ -177,7 +177,7 @@ async def _collect(job: Job, fanin: FanIn, only_scores: bool = False):
                     piece = _unsampled(piece)
                 texts[i].append(piece.text)
                 if logprobs[i] is not None:
-                    logprobs[i].extend(fmt.text_tokens(piece))
+                    logprobs[i].extend(piece.logprobs)
                 if piece.finish_reason is not None:
                     reasons[i] = piece.finish_reason
                     completion_tokens += piece.num_output_tokens
@@ -213,7 +213,7 @@ async def _collect_turns(job: Job, fanin: FanIn, parsers: list[TurnParser]):
         async with aclosing(turn_steps(fanin, parsers)) as steps:
             async for i, piece, events in steps:
                 if piece is not None and logprobs[i] is not None:
-                    logprobs[i].extend(fmt.text_tokens(piece))
+                    logprobs[i].extend(piece.logprobs)
                 if events and isinstance(events[-1], TurnDone):
                     if events[-1].error is not None:
                         raise events[-1].error
@@ -243,8 +243,8 @@ async def _chat_events(head: dict, job: Job, fanin: FanIn, parsers: list[TurnPar
                 if done is not None and done.error is not None:
                     yield b"".join(out) + fmt.sse(done.error.body()) + fmt.SSE_DONE
                     return
-                logprobs = fmt.text_tokens(piece) if job.requests[i].params.logprobs is not None else None
-                if logprobs and not events:  # the piece's text is held back, its tokens are not
+                logprobs = piece.logprobs if job.requests[i].params.logprobs is not None else None
+                if logprobs and not events:  # the parser holds its text (a tag's start), not its tokens
                     events = [ContentDelta("")]
                 so_far = _usage_so_far(job, piece) if piece is not None else {}
                 for k, event in enumerate(events):
@@ -310,9 +310,8 @@ async def _completion_events(head: dict, job: Job, fanin: FanIn, echo: list[Echo
                 if job.requests[i].params.logprobs is not None:
                     # held text (a stop string's start) is sent later: only the end bounds the offsets
                     end = sent[i] if piece.finish_reason is not None else None
-                    tokens = fmt.text_tokens(piece)
-                    logprobs = fmt.completion_logprobs(tokens, offsets[i], end)
-                    if piece.text or tokens:
+                    logprobs = fmt.completion_logprobs(piece.logprobs, offsets[i], end)
+                    if piece.text or piece.logprobs:
                         out.append(fmt.sse({**head, "choices": [fmt.completion_choice(i, piece.text, None,
                                                                                        logprobs)], **so_far}))
                 elif piece.text:

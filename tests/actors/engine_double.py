@@ -40,6 +40,9 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i in self.special_ids))
 
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
 
 class PlanError(ValueError):
     """The plan asks what the real engine would refuse, or would corrupt the KV cache."""

@@ -116,9 +116,10 @@ class Harness:
     async def start(self):
         await self.nursery.start(streamer.run, TOK, self._inbox_recv, self.cancels_send, self.metrics)
 
-    async def open(self, request_id, *, stop=(), max_tokens=50, arrival=0.0):
+    async def open(self, request_id, *, stop=(), max_tokens=50, arrival=0.0, logprobs=None):
         send, recv = trio.open_memory_channel(max_tokens + 8)
-        req = GenerateRequest(request_id, (0, ord("?")), SamplingParams(max_tokens=max_tokens), stop=stop)
+        req = GenerateRequest(request_id, (0, ord("?")), SamplingParams(max_tokens=max_tokens, logprobs=logprobs),
+                              stop=stop)
         await self.inbox.send(StreamOpen(Submission(req, send, arrival)))
         return recv
 
@@ -126,7 +127,8 @@ class Harness:
         for i, ch in enumerate(text):
             await trio.sleep(step)
             reason = last_reason if i == len(text) - 1 else None
-            await self.inbox.send(TokenBatch((TokenOutput(request_id, ord(ch), finish_reason=reason),), trio.current_time()))
+            out = TokenOutput(request_id, ord(ch), logprob=-0.5, finish_reason=reason)  # read when logprobs are asked
+            await self.inbox.send(TokenBatch((out,), trio.current_time()))
 
 
 async def read_all(recv):
@@ -164,6 +166,23 @@ async def test_streamer_flushes_held_text_when_the_engine_ends_the_stream(autoju
         assert "".join(p.text for p in pieces) == "so EN"  # "EN" was held back, then released
         assert pieces[-1].finish_reason == "length" and pieces[-1].stop_string is None
         assert h.cancels.statistics().current_buffer_used == 0  # the engine forgot it already
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("stop, reason, tokens", [
+    ((), "stop", "Hi"),  # the engine stopped on the last token ("$", its EOS): a control token, no entry
+    ((), "length", "Hi$"),  # a length cut ends on a token of the text
+    (("$",), "stop", "Hi"),  # a stop string's tokens end the text, as the text is cut
+])
+async def test_streamer_logprobs_are_the_tokens_of_the_text(autojump_clock, stop, reason, tokens):
+    async with trio.open_nursery() as nursery:
+        h = Harness(nursery)
+        await h.start()
+        recv = await h.open("r", stop=stop, logprobs=0)
+        await h.tokens("r", "Hi$", last_reason=reason)
+        pieces = await read_all(recv)
+        assert "".join(lp.token for p in pieces for lp in p.logprobs) == tokens
+        assert pieces[-1].finish_reason == "stop" if stop else reason
         nursery.cancel_scope.cancel()
 
 

@@ -3,8 +3,7 @@ Responses route feeds it): pure, no server."""
 
 from __future__ import annotations
 
-from spark.actors.messages import RequestOutput, TokenLogprob
-from spark.http.formatting import text_tokens
+from spark.actors.messages import TokenLogprob
 from spark.http.output_tokens import OutputTokens
 from spark.http.response_items import OutputBuilder
 from spark.http.turn import ContentDelta, ReasoningDelta, ToolCallDelta
@@ -63,15 +62,6 @@ def test_a_calls_tokens_are_dropped():
     message, function_call = output
     assert _joined(message["content"][0]["logprobs"]) == "Let me look.\n"
     assert function_call["type"] == "function_call" and "logprobs" not in function_call
-
-
-def test_the_stop_token_writes_no_text():
-    tokens = _tokens("Hi", "<|im_end|>")
-    assert text_tokens(RequestOutput("r", "Hi", (0, 1), tokens, finish_reason="stop")) == tokens[:1]
-    cut = RequestOutput("r", "Hi", (0, 1), tokens, finish_reason="length")
-    assert text_tokens(cut) == tokens  # a length cut ends on a token of the text
-    stopped = RequestOutput("r", "Hi", (0, 1), tokens, finish_reason="stop", stop_string="<|im_end|>")
-    assert text_tokens(stopped) == tokens  # a stop string's tokens end the text, as the streamer cut them
 
 
 def test_a_token_across_two_texts_goes_with_the_first():
