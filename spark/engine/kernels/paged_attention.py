@@ -341,6 +341,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         # loads are not early, and taking the first block out of the pipelined key loop
         # cost 2.7% at 8B batch 64.
         EARLY_LOADS=rope_args is not None and batch == 1 and EARLY_LOADS,
+        EXIT_EMPTY=cfg.exit_empty and split,
         NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps, **launch.pdl(decode_kernel, q),
     )
     if split:
@@ -421,7 +422,7 @@ def _kernels():
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         SCALED: tl.constexpr, FP8_V_EARLY: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr,
-        PDL: tl.constexpr, QK_NORM: tl.constexpr,
+        PDL: tl.constexpr, QK_NORM: tl.constexpr, EXIT_EMPTY: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -438,7 +439,7 @@ def _kernels():
             # this kernel drains, and their round trips leave the critical path. On an
             # H200, 8B batch 1: 239.9 tok/s against 235.6 without the early key block.
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
-            if split > 0 and start >= seq_len:
+            if EXIT_EMPTY and split > 0 and start >= seq_len:
                 return  # no key: nothing to write, and reduce_kernel reads nothing of it
             k_first, v_first = _load_block(
                 start, tl.minimum(end, seq_len - 1), table, k_cache_ptr, v_cache_ptr, kv_head,
@@ -450,7 +451,7 @@ def _kernels():
             tl.extra.cuda.gdc_launch_dependents()
         if not EARLY_LOADS:
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
-            if split > 0 and start >= seq_len:
+            if EXIT_EMPTY and split > 0 and start >= seq_len:
                 return
         heads = kv_head * group + rows
         q_mask = row_ok[:, None] & dim_ok[None, :]

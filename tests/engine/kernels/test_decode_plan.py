@@ -26,9 +26,10 @@ def test_decode_config_follows_head_dim():
 
 
 def test_decode_config_of_one_row_takes_wider_steps():
-    """Batch 1 (rope fused) over a bf16 cache: 128 keys a step on 8 warps, unpipelined; an fp8 cache
+    """Batch 1 (rope fused) over a bf16 cache: 128 keys a step on 8 warps, unpipelined, empty partitions
+    returning at once; an fp8 cache
     keeps its own config."""
-    assert decode_config(128, one_row=True) == DecodeConfig(block_n=128, num_warps=8, num_stages=1)
+    assert decode_config(128, one_row=True) == DecodeConfig(block_n=128, num_warps=8, num_stages=1, exit_empty=True)
     assert decode_config(128, True, one_row=True) == decode_config(128, True)
 
 

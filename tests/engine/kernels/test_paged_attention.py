@@ -341,10 +341,11 @@ def test_pdl_is_off_off_the_gpu():
 
 
 @pytest.mark.parametrize("rope", [False, True])
-def test_split_decode_merges_only_the_partitions_holding_keys(rope, monkeypatch):
-    """Partitions past a short context return at once and write nothing; the reduce merges only
-    those holding keys. Fresh buffers are NaN here: a merge that read an unwritten partition would
-    come out NaN."""
+@pytest.mark.parametrize("exit_empty", [False, True])
+def test_split_decode_merges_only_the_partitions_holding_keys(rope, exit_empty, monkeypatch):
+    """The reduce merges only the partitions holding keys; with `exit_empty` the programs of the
+    others return at once and write nothing. Fresh buffers are NaN here: a merge that read an
+    unwritten partition would come out NaN."""
     from spark.engine.kernels import paged_attention
 
     real_empty = torch.empty
@@ -362,12 +363,14 @@ def test_split_decode_merges_only_the_partitions_holding_keys(rope, monkeypatch)
         caches = tuple(c.nan_to_num() for c in caches)  # no write this step: the new slots hold a key
         expected = paged_decode_attention_reference(q, *caches, block_tables, seq_lens, 0.125)
     monkeypatch.setattr(paged_attention.torch, "empty", nan_empty)
+    config = paged_attention.DecodeConfig(exit_empty=exit_empty)
     for num_splits in (2, 8):
         if rope:
-            out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
+            out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits,
+                                         config=config)
         else:
             out = paged_decode_attention_triton(q, *caches, block_tables, seq_lens, 0.125, num_splits=num_splits,
-                                                out=torch.zeros_like(q))
+                                                out=torch.zeros_like(q), config=config)
         assert not out.isnan().any()
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
