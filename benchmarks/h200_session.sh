@@ -107,6 +107,12 @@ for name in "$@"; do
                     step "$name-$preset-$mml" 100 python decode_ablation.py $preset $mml 1 base,attn1:64w4s2,attn1:128w8s1,base2
                 done
             done ;;
+        # 8 and 64 rows in the chain under both tables (decode attention's split path past the one-row launch)
+        rows-tables) for mml in 272 40960; do
+                for preset in qwen3-30b-a3b llama-3.1-8b; do
+                    step "$name-$preset-$mml" 100 python decode_ablation.py $preset $mml 8,64 base,base2
+                done
+            done ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;
