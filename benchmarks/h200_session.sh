@@ -113,6 +113,7 @@ for name in "$@"; do
                     step "$name-$preset-$mml" 100 python decode_ablation.py $preset $mml 8,64 base,base2
                 done
             done ;;
+        rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;
