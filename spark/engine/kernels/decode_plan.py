@@ -66,9 +66,10 @@ def decode_config(head_dim: int, fp8_cache: bool = False, one_row: bool = False)
     wider one takes more of a short context off the critical path, in fewer partitions for the
     reduce to merge. Timed alone it is slower (7.9 us against 5.5 for Qwen3-30B-A3B over 256 keys,
     attention_bench.py --one-row): its gain is in the chain. Graphed batch-1 steps on an H100
-    (decode_ablation.py, `h200_session.sh b1-tables`, against 64-key steps on 4 warps, 2 stages):
-    Qwen3-30B-A3B 346.4 tok/s against 343.2 under a 272-key block table, 340.5 against 335.9
-    under a server's 40960-key one; Llama-3.1-8B 184.8 against 184.5 (272 keys). 256 keys in one
+    (decode_ablation.py, against 64-key steps on 4 warps, 2 stages, results
+    2026-12-06-h100-landed-one-row-7f77d69.json): Qwen3-30B-A3B 344.6 tok/s against 343.2 under
+    a 272-key block table, 340.0 against 335.5 under a server's 40960-key one; Llama-3.1-8B 184.8
+    against 184.5 (272 keys, with empty partitions exiting under every config). 256 keys in one
     partition (no reduce launch) lost, 333.7."""
     if one_row and not fp8_cache:
         return DecodeConfig(block_n=ONE_ROW_BLOCK_N, num_warps=8, num_stages=1, exit_empty=True)
