@@ -224,9 +224,9 @@ def main() -> int:
         return 0 if all(map(_close_enough, rows)) else 1
     import attrs
 
-    from spark.engine.kernels.paged_attention import DecodeConfig
+    from spark.engine.kernels.decode_plan import DecodeConfig
 
-    if args.quick:  # the default (spark.engine.kernels.paged_attention.decode_config), its neighbours
+    if args.quick:  # the default (spark.engine.kernels.decode_plan.decode_config), its neighbours
         def decode_configs(batch, default):
             more = [(default, s) for s in ((4, 8) if batch == 1 else (2, 4))]
             return [(attrs.evolve(default, num_stages=0), None)] + more

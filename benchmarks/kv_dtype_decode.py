@@ -47,15 +47,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--fp8-block-n", type=int, default=None,
-                    help="keys per step of the decode kernel over an fp8 cache (A/B of paged_attention.FP8_BLOCK_N)")
+                    help="keys per step of the decode kernel over an fp8 cache (A/B of decode_plan.FP8_BLOCK_N)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from spark.engine.engine import Engine
-    from spark.engine.kernels import paged_attention
+    from spark.engine.kernels import decode_plan
 
     if args.fp8_block_n:  # before any launch asks decode_config (cached)
-        paged_attention.FP8_BLOCK_N = args.fp8_block_n
-        paged_attention.decode_config.cache_clear()
+        decode_plan.FP8_BLOCK_N = args.fp8_block_n
+        decode_plan.decode_config.cache_clear()
 
     cuda = args.device == "cuda"
     cases = CASES if cuda or not args.quick else QUICK_CPU_CASES
@@ -98,7 +98,7 @@ def main() -> int:
     device = torch.cuda.get_device_name() if cuda else "cpu"
     doc = {"bench": "kv_dtype_decode", "device": device, "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "command": " ".join(["python"] + sys.argv), "model": args.model,
-           "fp8_block_n": paged_attention.FP8_BLOCK_N,
+           "fp8_block_n": decode_plan.FP8_BLOCK_N,
            "bandwidth_tb_s": BANDWIDTH / 1e12, "graphs": cuda and not args.no_graphs, "results": results}
     out = write_results(doc, "kv-dtype-decode", args.out)
     print(f"{'batch':>5} {'context':>7} {'kv':>4} {'tok/s':>9} {'roofline':>9} {'frac':>6} {'speedup':>8}")

@@ -16,11 +16,11 @@ scales into the score multiplier (K) and the output (V), the same products in an
 import functools
 import math
 
-import attrs
 import torch
 import torch.nn.functional as F
 
 from spark.engine.kernels import fp8, key_block, launch, norm, rope
+from spark.engine.kernels.decode_plan import DecodeConfig, choose_num_splits, decode_config, one_row_fits
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -31,7 +31,7 @@ tl = None
 _attend_keys = None  # key_block's online softmax over a range of keys
 _rope_cos_sin = None  # rope's cos/sin, so that k rotated here equals k rotated by the rope kernels
 _load_block = _attend_block = None  # key_block's two halves of a step, for the early first block
-_partition = None  # the keys of one split-KV program
+_partition = _partitions_used = None  # the keys of one split-KV program; how many programs hold keys
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
@@ -45,49 +45,6 @@ FP8_V_EARLY = True
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
 _MIN_GROUP_ROWS = 16
-# Keys per inner-loop step; pages are gathered token by token, so it need not match page_size.
-_BLOCK_N = 64
-# Split-KV heuristic: aim for this many programs in flight (about 2 per H200 SM), and
-# give every partition at least one key block. At batch 1 on an H200, a 192-token
-# context took 8.3 us unsplit and 5.6 us in 4 partitions (benchmarks/attention_bench.py).
-_TARGET_PROGRAMS = 264
-_MIN_KEYS_PER_SPLIT = _BLOCK_N
-_MAX_SPLITS = 32
-# Keys per step over an fp8 cache (decode_config); a module value for A/B runs
-# (benchmarks/kv_dtype_decode.py --fp8-block-n), read when the first fp8 launch asks. Untimed yet:
-# at 8B shapes (sm_90, benchmarks/decode_sass.py) 128 keys are 804 instructions and 194 registers
-# (2 programs an SM), 64 keys 452 and 142 (3): fewer instructions a byte, fewer programs.
-FP8_BLOCK_N = 128
-
-
-@attrs.frozen
-class DecodeConfig:
-    """How the decode kernel walks keys.
-
-    Attributes:
-      block_n: keys per step of the online softmax.
-      num_warps: warps per program.
-      num_stages: software-pipelining depth of the key loop on a GPU: the page ids and
-        K/V of the next steps are in flight while this one computes. A decode program
-        walks a short context serially, so without it every step waits out a round trip
-        to memory for its page ids and then one for its keys. 0 keeps a plain loop
-        (the interpreter's only choice).
-    """
-
-    block_n: int = _BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-@functools.cache  # asked at every launch; a frozen value, shared
-def decode_config(head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
-    """The fastest config of `benchmarks/attention_bench.py` on an H200 (bf16, page size
-    16), batch 1 to 256: Llama-3.1-8B's 128-dim heads want 4 warps, SmolLM2's 64-dim 2.
-
-    An fp8 cache's keys are half the bytes: `FP8_BLOCK_N` keys a step move the bytes of the
-    bf16 config's 64, so that each step's fixed costs (the page ids, the softmax's reductions,
-    the loop-carried wait) are paid per as many bytes, and as many bytes are in flight."""
-    return DecodeConfig(block_n=FP8_BLOCK_N if fp8_cache else _BLOCK_N, num_warps=4 if head_dim >= 128 else 2)
 
 
 def paged_attention_reference(
@@ -338,8 +295,11 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads and k_cache.shape[3] == head_dim
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    max_context = block_tables.shape[1] * page_size
+    cfg = config or decode_config(head_dim, k_cache.dtype == fp8.FP8,
+                                  rope_args is not None and one_row_fits(batch, num_kv_heads, head_dim, max_context))
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, cfg.block_n)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     else:
@@ -347,7 +307,6 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     if batch == 0:
         return out
     decode_kernel, reduce_kernel = _kernels()
-    cfg = config or decode_config(head_dim, k_cache.dtype == fp8.FP8)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
     # On the GPU, bf16/fp16 caches feed tl.dot in their own dtype (q is exact in it; p
@@ -382,12 +341,14 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         # loads are not early, and taking the first block out of the pipelined key loop
         # cost 2.7% at 8B batch 64.
         EARLY_LOADS=rope_args is not None and batch == 1 and EARLY_LOADS,
+        EXIT_EMPTY=cfg.exit_empty and split,
         NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps, **launch.pdl(decode_kernel, q),
     )
     if split:
         reduce_kernel[(batch, num_heads)](
-            partial_max, partial_sum, partial_out, out, *out.stride(), head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **launch.pdl(reduce_kernel, q),
+            partial_max, partial_sum, partial_out, out, seq_lens, *out.stride(), head_dim, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+            **launch.pdl(reduce_kernel, q),
         )
     return out
 
@@ -405,25 +366,6 @@ def half_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
         cache_dtype == fp8.FP8 and q_dtype in (torch.bfloat16, torch.float16))
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Pick the split-KV partition count from shapes alone (graph-capturable).
-
-    Args:
-      batch: sequences in the batch.
-      num_kv_heads: kv heads, i.e. programs per sequence without splitting.
-      max_context: the most keys a sequence can hold (block-table width * page size).
-
-    Returns:
-      1 when the batch alone fills the GPU or contexts are short, else enough
-      partitions to reach about `_TARGET_PROGRAMS` programs, each of at least
-      `_MIN_KEYS_PER_SPLIT` keys, at most `_MAX_SPLITS`.
-    """
-    programs = batch * num_kv_heads
-    by_occupancy = -(-_TARGET_PROGRAMS // max(programs, 1))
-    by_length = max_context // _MIN_KEYS_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
-
-
 @functools.cache
 def _kernels():
     """Import triton and JIT the kernels: done at first launch so that TRITON_INTERPRET,
@@ -433,7 +375,7 @@ def _kernels():
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
-    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _quantize, _head_norm
+    global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _partitions_used, _quantize, _head_norm
     _quantize = fp8.jit_quantize()
     _head_norm = norm.jit_head_norm()
     _attend_keys = key_block.attend_keys()
@@ -450,7 +392,17 @@ def _kernels():
         start = split * part_len
         return seq_len, start, tl.minimum(start + part_len, seq_len)
 
-    _partition = partition
+    @triton.jit
+    def partitions_used(seq_lens_ptr, seq, num_splits, BLOCK_N: tl.constexpr):
+        """How many of the sequence's partitions hold keys (`partition`'s): 1 at least, the first
+        one, which alone writes a sequence with an empty context. The programs of the others
+        return at once, as a short context under a wide block table leaves most of them (a
+        server's 40960-key table splits in 32 at batch 1; 256 keys fill 2 or 4)."""
+        seq_len = tl.load(seq_lens_ptr + seq)
+        part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        return tl.maximum(tl.cdiv(seq_len, tl.maximum(part_len, 1)), 1)
+
+    _partition, _partitions_used = partition, partitions_used
 
     # What changes from step to step is not specialized on: the ints (the block table's width, the
     # split count: Triton's ==1 and %16 cases) and the alignment of the int32 metadata (a mixed step
@@ -470,7 +422,7 @@ def _kernels():
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         SCALED: tl.constexpr, FP8_V_EARLY: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr,
-        PDL: tl.constexpr, QK_NORM: tl.constexpr,
+        PDL: tl.constexpr, QK_NORM: tl.constexpr, EXIT_EMPTY: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -487,6 +439,8 @@ def _kernels():
             # this kernel drains, and their round trips leave the critical path. On an
             # H200, 8B batch 1: 239.9 tok/s against 235.6 without the early key block.
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+            if EXIT_EMPTY and split > 0 and start >= seq_len:
+                return  # no key: nothing to write, and reduce_kernel reads nothing of it
             k_first, v_first = _load_block(
                 start, tl.minimum(end, seq_len - 1), table, k_cache_ptr, v_cache_ptr, kv_head,
                 stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY)
@@ -497,6 +451,8 @@ def _kernels():
             tl.extra.cuda.gdc_launch_dependents()
         if not EARLY_LOADS:
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+            if EXIT_EMPTY and split > 0 and start >= seq_len:
+                return
         heads = kv_head * group + rows
         q_mask = row_ok[:, None] & dim_ok[None, :]
         if SCALED:  # an fp8 cache: K's scale folds into the scores' multiplier, V's into the output
@@ -600,19 +556,20 @@ def _kernels():
             o_off = seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od
             tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    @triton.jit(do_not_specialize=["num_splits"])  # as decode_kernel's
+    @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr"])  # as decode_kernel's
     def reduce_kernel(
-        partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr,
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr, seq_lens_ptr,
         stride_ob, stride_oh, stride_od, head_dim, num_splits,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
+        seq, head = tl.program_id(0), tl.program_id(1)
+        used = _partitions_used(seq_lens_ptr, seq, num_splits, BLOCK_N)  # no earlier kernel's output
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        seq, head = tl.program_id(0), tl.program_id(1)
         splits = tl.arange(0, BLOCK_S)
         dims = tl.arange(0, BLOCK_D)
-        split_ok = splits < num_splits
+        split_ok = splits < used
         part = (seq * tl.num_programs(1) + head) * num_splits + splits
         m = tl.load(partial_max_ptr + part, mask=split_ok, other=float("-inf"))
         l = tl.load(partial_sum_ptr + part, mask=split_ok, other=0.0)

@@ -8,9 +8,6 @@ import pytest
 import torch
 
 from spark.engine.kernels.paged_attention import (
-    DecodeConfig,
-    choose_num_splits,
-    decode_config,
     paged_attention_reference,
     paged_decode_attention_reference,
     paged_decode_attention_rope_reference,
@@ -181,19 +178,6 @@ def test_decode_triton_empty_context_gives_zeros(num_splits):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_choose_num_splits():
-    # A batch that alone fills the GPU, or a context of one key block: no split.
-    assert choose_num_splits(batch=256, num_kv_heads=8, max_context=32768) == 1
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=64) == 1
-    # Batch 1 splits even a short context: a few programs would each walk it serially.
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=256) == 4
-    # One long sequence: split, capped.
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=4096) == 32
-    assert choose_num_splits(batch=1, num_kv_heads=1, max_context=1 << 20) == 32
-    # Never more partitions than a minimum-size partition allows.
-    assert choose_num_splits(batch=2, num_kv_heads=2, max_context=1024) == 16
-
-
 def _decode_step(context_lens, page_size, num_kv_heads, group, head_dim, dtype=torch.float32, cache_dtype=None, seed=0):
     """One decode step before rope and the KV write: caches, block tables, the new tokens' q/k/v.
 
@@ -356,9 +340,54 @@ def test_pdl_is_off_off_the_gpu():
     assert launch.pdl(kernel, torch.zeros(1)) == {"PDL": False}
 
 
-def test_decode_config_follows_head_dim():
-    assert decode_config(128) == DecodeConfig(block_n=64, num_warps=4, num_stages=2)
-    assert decode_config(64).num_warps == 2
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("exit_empty", [False, True])
+def test_split_decode_merges_only_the_partitions_holding_keys(rope, exit_empty, monkeypatch):
+    """The reduce merges only the partitions holding keys; with `exit_empty` the programs of the
+    others return at once and write nothing. Fresh buffers are NaN here: a merge that read an
+    unwritten partition would come out NaN."""
+    from spark.engine.kernels import paged_attention
+
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    contexts = [1, 0, 17, 65, 300]
+    step = _decode_step(contexts, 16, 2, 4, 64, seed=5)
+    if rope:
+        expected, _, _ = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+    else:
+        (q, _, _), _, _, caches, block_tables, seq_lens = step
+        caches = tuple(c.nan_to_num() for c in caches)  # no write this step: the new slots hold a key
+        expected = paged_decode_attention_reference(q, *caches, block_tables, seq_lens, 0.125)
+    monkeypatch.setattr(paged_attention.torch, "empty", nan_empty)
+    config = paged_attention.DecodeConfig(exit_empty=exit_empty)
+    for num_splits in (2, 8):
+        if rope:
+            out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits,
+                                         config=config)
+        else:
+            out = paged_decode_attention_triton(q, *caches, block_tables, seq_lens, 0.125, num_splits=num_splits,
+                                                out=torch.zeros_like(q), config=config)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_decode_splits_by_its_own_key_step(monkeypatch):
+    """A batch-1 launch given no split count partitions by its 128-key step: a 272-key table in 2, where
+    64-key steps made 4 (each partition is whole steps; the result is the reference's either way)."""
+    from spark.engine.kernels import paged_attention
+
+    seen = []
+    real = paged_attention.choose_num_splits
+    monkeypatch.setattr(paged_attention, "choose_num_splits", lambda *a: seen.append(a) or real(*a))
+    step = _decode_step([250], 16, 1, 4, 128, seed=3)  # a table of 17 pages
+    out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step)
+    expected, _, _ = _run_rope_decode(paged_decode_attention_rope_reference, *step)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert seen[-1] == (1, 1, step[4].shape[1] * 16, 128) and real(*seen[-1]) == 2  # the launch's own ask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -383,13 +412,3 @@ def test_decode_rope_triton_with_qk_norm_is_norms_then_the_kernel(dtype, num_spl
     same = (k_fused == k_unfused) | (k_fused.isnan() & k_unfused.isnan())
     assert same.float().mean() > 0.99 and torch.equal(v_fused.nan_to_num(), v_unfused.nan_to_num())
     torch.testing.assert_close(k_fused, k_unfused, rtol=tol, atol=tol, equal_nan=True)
-
-
-def test_decode_config_of_an_fp8_cache_steps_over_as_many_bytes():
-    """fp8 keys are half of bf16's bytes: twice the keys a step, the rest as the bf16 config."""
-    from spark.engine.kernels import paged_attention
-
-    for head_dim in (64, 128):
-        fp8, bf16 = decode_config(head_dim, True), decode_config(head_dim)
-        assert fp8.block_n == paged_attention.FP8_BLOCK_N == 2 * bf16.block_n
-        assert (fp8.num_warps, fp8.num_stages) == (bf16.num_warps, bf16.num_stages)
