@@ -7,6 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from spark.engine.kernels.decode_plan import DecodeConfig
 from spark.engine.kernels.paged_attention import (
     paged_attention_reference,
     paged_decode_attention_reference,
@@ -363,7 +364,7 @@ def test_split_decode_merges_only_the_partitions_holding_keys(rope, exit_empty, 
         caches = tuple(c.nan_to_num() for c in caches)  # no write this step: the new slots hold a key
         expected = paged_decode_attention_reference(q, *caches, block_tables, seq_lens, 0.125)
     monkeypatch.setattr(paged_attention.torch, "empty", nan_empty)
-    config = paged_attention.DecodeConfig(exit_empty=exit_empty)
+    config = DecodeConfig(exit_empty=exit_empty)
     for num_splits in (2, 8):
         if rope:
             out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits,
