@@ -57,7 +57,7 @@ class ChatFormat:
     max_thinking_budget: int | None = None  # reasoning tokens at most per request; None: unlimited
     refusal_patterns: tuple[str, ...] = ()  # openings that make an answer a refusal (spark.parsers.refusal); (): off
     citations: bool = False  # extract the answer's links as citations (spark.parsers.citations)
-    tool_prompt: bool = False  # the template shows no tools: Spark writes them into the messages (spark.http.tool_prompt)
+    tool_prompt: bool = False  # the template shows no tools: Spark writes them in the messages (http/tool_prompt.py)
 
 
 def chat_format(config, tokenizer) -> ChatFormat:
