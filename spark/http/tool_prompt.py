@@ -11,7 +11,7 @@ the parser (and a forced call's grammar) reads:
   the message's own;
 - tool results as a user turn of ``<tool_response>`` blocks (consecutive results in one turn).
 
-``template_shows_tools`` decides once per server, from a render with a probe tool.
+``template_shows_tools`` decides once per template, from a render with a probe tool.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _PROBE = "spark_probe_tool_7f3a"  # a name no template writes unless it writes the tools it is given
-
-
 _shown_by_template: dict[str, bool] = {}  # template text -> whether it shows tools (asked at every request)
 
 
