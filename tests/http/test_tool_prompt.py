@@ -28,8 +28,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def replay(engine):
-    with replay_server(engine) as running:
+def replay(engine, tmp_path_factory):
+    with replay_server(engine, state_path=str(tmp_path_factory.mktemp("state") / "state.sqlite3")) as running:
         yield running
 
 
@@ -91,6 +91,22 @@ def test_control_text_in_a_tool_result_stays_text():
     prompt = render_chat(tok, messages, fmt=chat_format(ServeConfig(), tok), tools=[WEATHER])
     im_end = tok.token_to_id("<|im_end|>")
     assert prompt.text.count("<|im_end|>") == prompt.prompt_ids.count(im_end) + 1  # the result's spelling: text
+
+
+def test_a_responses_function_call_round_trip(engine, replay):
+    """Responses' stored function call and the client's function_call_output reach the model as text."""
+    client = replay.client()
+    tool = {"type": "function", "name": "get_weather", "description": "Today's weather in a city",
+            "parameters": WEATHER["function"]["parameters"]}
+    first = client.responses.create(model="replay", input="Weather in Oslo? [call]", tools=[tool])
+    (call,) = first.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Oslo"}
+    second = client.responses.create(model="replay", previous_response_id=first.id, tools=[tool], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "4C, snow [after]"}])
+    assert second.output_text == "Oslo has 4C and snow."
+    prompt = engine.prompts[-1]
+    assert f"<|im_start|>assistant\n{CALL}<|im_end|>" in prompt
+    assert "<|im_start|>user\n<tool_response>\n4C, snow [after]\n</tool_response><|im_end|>" in prompt
 
 
 def test_anthropic_tool_use_and_results_reach_the_model(engine, replay):
