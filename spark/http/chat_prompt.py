@@ -263,10 +263,11 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
     thinking = thinking and fmt.thinking_allowed  # the server's kill-switch wins over every request
     if fmt.reasoning:
         kwargs["enable_thinking"] = thinking
+    messages = template_messages(messages)
     if fmt.tool_prompt:  # the template would drop them: the messages carry tools, calls and results as text
         messages, tools = with_tool_prompt(messages, tools), None
     literals = LiteralTexts(tokenizer.control_texts)
-    shown = literals.hide(template_messages(messages))
+    shown = literals.hide(messages)
     try:
         text = tokenizer.apply_chat_template(shown, tools=literals.hide(list(tools)) if tools else None,
                                              add_generation_prompt=add_generation_prompt and not continue_final_message,

@@ -42,8 +42,9 @@ def template_shows_tools(tokenizer, template: str) -> bool:
 
 def with_tool_prompt(messages: Sequence[Mapping[str, Any]],
                      tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
-    """``messages`` with the tools, calls and results written as text (the module docstring's
-    format); ``tools`` None or empty: only the history is rewritten."""
+    """``messages`` (as ``chat_prompt.template_messages`` gives them: a call's arguments a mapping)
+    with the tools, calls and results written as text (the module docstring's format); ``tools``
+    None or empty: only the history is rewritten."""
     out: list[dict[str, Any]] = []
     results: dict[str, Any] | None = None  # the user turn the latest run of tool results goes in
     for message in messages:
@@ -80,12 +81,5 @@ def _tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
 
 def _call_text(call: Mapping[str, Any]) -> str:
     function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            pass  # kept as the client sent it: the model sees what it was told it wrote
-    body = json.dumps({"name": function.get("name"), "arguments": {} if arguments is None else arguments},
-                      ensure_ascii=False)
+    body = json.dumps({"name": function.get("name"), "arguments": function.get("arguments")}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
