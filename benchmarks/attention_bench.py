@@ -93,17 +93,26 @@ def decode_case(case, configs, kv_dtype: str = "bf16") -> list[dict]:
     k = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
-    auto_splits = pa.choose_num_splits(batch, kv_heads, tables.shape[1] * PAGE)
     scale = head_dim**-0.5
     kc, vc = k_cache.clone(), v_cache.clone()
     want = pa.paged_decode_attention_rope_reference(q, k, v, positions, inv_freq, kc, vc, slots, tables, seq_lens, scale,
                                                     **scale_kw)
     kv_bytes = 2 * batch * (context + 1) * kv_heads * head_dim * k_cache.element_size()
     rows = []
+    # The default row is the engine's own launch: its config (one row's where it fits) and its split count.
+    max_context = tables.shape[1] * PAGE
+    one_row_fits = getattr(pa, "one_row_fits", None)  # a tree from before the one-row config has none
+    if one_row_fits is not None and one_row_fits(batch, kv_heads, head_dim, max_context):
+        default = pa.decode_config(head_dim, fp8_cache, True)
+    else:
+        try:
+            default = pa.decode_config(head_dim, fp8_cache)
+        except TypeError:  # a tree from before fp8 configs (A/B against main: PYTHONPATH at its checkout)
+            default = pa.decode_config(head_dim)
     try:
-        default = pa.decode_config(head_dim, fp8_cache)
-    except TypeError:  # a tree from before fp8 configs (A/B against main: PYTHONPATH at its checkout)
-        default = pa.decode_config(head_dim)
+        auto_splits = pa.choose_num_splits(batch, kv_heads, max_context, default.block_n)
+    except TypeError:  # a tree whose partitions are not sized by the launch's key step
+        auto_splits = pa.choose_num_splits(batch, kv_heads, max_context)
     for cfg, splits in [(default, None)] + [c for c in configs(batch, default) if c != (default, None)]:
         is_default = (cfg, splits) == (default, None)
         splits = splits or auto_splits

@@ -36,6 +36,7 @@ import attrs
 
 from spark.engine.chat_template import ChatTemplateError
 from spark.http.errors import ApiError
+from spark.http.tool_prompt import template_shows_tools, with_tool_prompt
 from spark.parsers import detect_tool_parser, prompt_ends_in_thinking
 from spark.parsers.refusal import DEFAULT_PATTERNS as DEFAULT_REFUSAL_PATTERNS
 
@@ -56,6 +57,7 @@ class ChatFormat:
     max_thinking_budget: int | None = None  # reasoning tokens at most per request; None: unlimited
     refusal_patterns: tuple[str, ...] = ()  # openings that make an answer a refusal (spark.parsers.refusal); (): off
     citations: bool = False  # extract the answer's links as citations (spark.parsers.citations)
+    tool_prompt: bool = False  # the template shows no tools: Spark writes them in the messages (http/tool_prompt.py)
 
 
 def chat_format(config, tokenizer) -> ChatFormat:
@@ -67,17 +69,22 @@ def chat_format(config, tokenizer) -> ChatFormat:
       tokenizer: the model's tokenizer (its chat template and vocabulary), or None.
 
     Returns:
-      The ``ChatFormat``: tool parser "auto" is detected from the template's tags; reasoning
+      The ``ChatFormat``: tool parser "auto" is detected from the template's tags, and is hermes,
+      with the tools written into the messages, for a template that shows no tools; reasoning
       "auto" is on when the template or the vocabulary has ``<think>``.
     """
     template = _template_text(tokenizer)
     name = config.tool_call_parser
     tool_parser = detect_tool_parser(template) if name in (None, "auto") else None if name == "none" else name
+    tool_prompt = (name in (None, "auto") and tool_parser is None and bool(template)
+                   and not template_shows_tools(tokenizer, template))
+    if tool_prompt:
+        tool_parser = "hermes"  # the format spark.http.tool_prompt describes
     mode = config.reasoning_parser
     has_think = "<think>" in template or (tokenizer is not None and tokenizer.token_to_id("<think>") is not None)
     refusals = (tuple(config.refusal_patterns) or DEFAULT_REFUSAL_PATTERNS) if config.refusal_filter else ()
     return ChatFormat(tool_parser, mode == "think" or (mode == "auto" and has_think),
-                      not config.disable_thinking, config.max_thinking_budget, refusals, config.citations)
+                      not config.disable_thinking, config.max_thinking_budget, refusals, config.citations, tool_prompt)
 
 
 def _template_text(tokenizer) -> str:
@@ -256,8 +263,11 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, fmt: ChatFo
     thinking = thinking and fmt.thinking_allowed  # the server's kill-switch wins over every request
     if fmt.reasoning:
         kwargs["enable_thinking"] = thinking
+    messages = template_messages(messages)
+    if fmt.tool_prompt:  # the template would drop them: the messages carry tools, calls and results as text
+        messages, tools = with_tool_prompt(messages, tools), None
     literals = LiteralTexts(tokenizer.control_texts)
-    shown = literals.hide(template_messages(messages))
+    shown = literals.hide(messages)
     try:
         text = tokenizer.apply_chat_template(shown, tools=literals.hide(list(tools)) if tools else None,
                                              add_generation_prompt=add_generation_prompt and not continue_final_message,

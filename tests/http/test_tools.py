@@ -236,7 +236,9 @@ def test_server_parser_setting():
     assert chat_format(ServeConfig(), tok).tool_parser == "hermes"
     assert chat_format(ServeConfig(tool_call_parser="minimax"), tok).tool_parser == "minimax"
     plain = chat_format(ServeConfig(refusal_filter=False, citations=False), smollm_tokenizer())
-    assert plain == ChatFormat(None, False)  # SmolLM2: no tools, no <think>
+    # SmolLM2's template shows no tools: Spark writes them in hermes' format, and reads calls in it; no <think>
+    assert plain == ChatFormat("hermes", False, tool_prompt=True)
+    assert not chat_format(ServeConfig(tool_call_parser="none"), smollm_tokenizer()).tool_prompt  # parsing off
     off = chat_format(ServeConfig(tool_call_parser="none"), tok)
     assert off.tool_parser is None
     parser = prepare_turn(tok, off, [{"role": "user", "content": "x"}], tools=TOOLS).parser()
