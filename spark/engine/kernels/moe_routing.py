@@ -72,7 +72,9 @@ def _kernels():
         a negative one's magnitude bits flipped order as signed int32s do. A one-warp program's
         rounds are its critical path, and on a GPU an int32 max or min over a warp is one
         instruction (redux.sync), where a float max is a chain of five shuffles; the softmax's sum
-        no longer waits on the picks."""
+        no longer waits on the picks. Qwen3-30B-A3B's graphed batch-1 step on an H100
+        (decode_ablation.py, the same call): 349.3 tok/s against 345.9 with float argmax rounds.
+        (+0 ranks above -0 here, where float equality tied them.)"""
         experts = tl.arange(0, E_PAD)
         valid = experts < num_experts
         logits = tl.load(logits_row + experts, mask=valid, other=float("-inf")).to(tl.float32)
