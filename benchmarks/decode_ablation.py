@@ -15,6 +15,8 @@ import os
 import statistics
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_decode import spark_decode
@@ -178,6 +180,36 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
                   (8, 1), (1, 8)):
         variants[f"down:{bn}x1024w{w}"] = {
             "patch": {(moe_gemv, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
+
+    # Pieces of the MoE sublayer left out (upper bounds on what a faster piece can save): the router's
+    # launch (its logits a fixed random buffer, so the routing still picks 8 distinct experts), the
+    # routing inside gate/up (fixed ids and weights), the experts' two launches, and the whole sublayer.
+    real_one_row = moe_gemv.moe_one_row_triton
+    gen = torch.Generator().manual_seed(0)  # made before any capture: one token's logits, 8 distinct ids
+    fixed = (torch.randn(1, c.num_experts, generator=gen).to("cuda", torch.bfloat16),
+             torch.randperm(c.num_experts, generator=gen)[:c.num_experts_per_tok].to("cuda", torch.int32),
+             torch.full((c.num_experts_per_tok,), 1.0 / c.num_experts_per_tok, device="cuda"))
+
+    def moe_skipping(part):
+        def f(h, norm_weight, eps, router, w13, w2, top_k, renormalize, config=None):
+            if h.shape[0] != 1:
+                return real_one_row(h, norm_weight, eps, router, w13, w2, top_k, renormalize, config)
+            if part == "router_route_experts":
+                return h.clone()
+            if part == "experts":  # the router's launch alone
+                sl.small_linear_triton(h, router, norm_weight=norm_weight, eps=eps,
+                                       config=moe_gemv.router_config(*router.shape))
+                return h.clone()
+            logits, ids, weights = fixed
+            common = dict(norm_weight=norm_weight, eps=eps, residual=h, config=config)
+            if part == "router":  # no router launch: gate/up routes from the fixed logits
+                return moe_gemv._launch_gemvs(h, w13, w2, top_k, torch.empty_like(ids), torch.empty_like(weights),
+                                              logits=logits, renormalize=renormalize, **common)
+            return moe_gemv._launch_gemvs(h, w13, w2, top_k, ids, weights, **common)  # router_route: fixed ids
+        return f
+
+    for part in ("router", "router_route", "experts", "router_route_experts"):
+        variants[f"skip_{part}"] = {"patch": {(moe_gemv, "moe_one_row_triton"): moe_skipping(part)}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}),

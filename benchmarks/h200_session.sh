@@ -113,6 +113,13 @@ for name in "$@"; do
                     step "$name-$preset-$mml" 100 python decode_ablation.py $preset $mml 8,64 base,base2
                 done
             done ;;
+        # Qwen3-MoE's batch 1 under both tables (the base twice), and the in-chain cost of each piece of its
+        # one-row layer: the router's launch, the routing in gate/up, the experts, attention, wqkv, wo
+        moe-tables) for mml in 272 40960; do
+                step "$name-$mml" 60 python decode_ablation.py qwen3-30b-a3b $mml 1 base,base2
+            done ;;
+        moe-parts) step "$name" 150 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_attention,skip_wqkv,skip_wo,base2 ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \

@@ -439,8 +439,9 @@ def _kernels():
             # this kernel drains, and their round trips leave the critical path. On an
             # H200, 8B batch 1: 239.9 tok/s against 235.6 without the early key block.
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
-            if EXIT_EMPTY and split > 0 and start >= seq_len:
-                return  # no key: nothing to write, and reduce_kernel reads nothing of it
+            if EXIT_EMPTY:  # a constexpr if of its own: off, the code is the branch-free kernel's
+                if split > 0 and start >= seq_len:
+                    return  # no key: nothing to write, and reduce_kernel reads nothing of it
             k_first, v_first = _load_block(
                 start, tl.minimum(end, seq_len - 1), table, k_cache_ptr, v_cache_ptr, kv_head,
                 stride_cp, stride_co, stride_ch, stride_cd, dims, dim_ok, PAGE_SIZE, BLOCK_N, HALF_DOT, FP8_V_EARLY)
@@ -451,8 +452,9 @@ def _kernels():
             tl.extra.cuda.gdc_launch_dependents()
         if not EARLY_LOADS:
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
-            if EXIT_EMPTY and split > 0 and start >= seq_len:
-                return
+            if EXIT_EMPTY:
+                if split > 0 and start >= seq_len:
+                    return
         heads = kv_head * group + rows
         q_mask = row_ok[:, None] & dim_ok[None, :]
         if SCALED:  # an fp8 cache: K's scale folds into the scores' multiplier, V's into the output
