@@ -281,6 +281,32 @@ for bn, w, st, n in ((256, 8, 1, 1), (256, 16, 1, 1), (128, 8, 1, 1), (128, 4, 2
 # ... and at 33-64 rows, where one program per (sequence, kv head) walks every key serially.
 for n in (2, 3, 4):
     variants[f"splits_rows:{n}"] = {"choose": lambda b, h, ctx, n=n: n if b > 16 else real_choose(b, h, ctx), "rows": "dot"}
+# The vocabulary head at one row: small_linear's kernel in place of cuBLAS, in launch shapes of a wide
+# weight (rows x columns, warps); "head_norm:" also takes the final norm into its prologue (one launch less).
+real_logits = llama.LlamaModel.compute_logits
+real_norm_forward = llama.RMSNorm.forward
+
+
+def head_logits(cfg, norm):
+    def compute_logits(self, hidden):
+        if hidden.shape[0] != 1 or self.output is None:
+            return real_logits(self, hidden)
+        extra = dict(norm_weight=self.norm.weight, eps=self.norm.eps) if norm else {}
+        return sl.small_linear_triton(hidden, self.output.weight, config=cfg, **extra).float()
+    return compute_logits
+
+
+def final_norm_in_head(self, x):
+    return x if x.shape[0] == 1 and self is engine.model.norm else real_norm_forward(self, x)
+
+
+for bn, bk, w in ((4, 2048, 4), (8, 2048, 4), (4, 2048, 2), (8, 2048, 8), (16, 2048, 4), (8, 1024, 2)):
+    cfg = C(bn, bk, defer_reduce=False, num_warps=w)
+    variants[f"head:{bn}x{bk}w{w}"] = {"patch": {(llama.LlamaModel, "compute_logits"): head_logits(cfg, False)},
+                                        "rows": "one"}
+    variants[f"head_norm:{bn}x{bk}w{w}"] = {"patch": {(llama.LlamaModel, "compute_logits"): head_logits(cfg, True),
+                                                      (llama.RMSNorm, "forward"): final_norm_in_head},
+                                             "rows": "one"}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}

@@ -120,6 +120,10 @@ for name in "$@"; do
             done ;;
         moe-parts) step "$name" 150 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_attention,skip_wqkv,skip_wo,base2 ;;
+        # the vocabulary head at batch 1 in small_linear's kernel (alone, and with the final norm in its prologue)
+        head) for preset in qwen3-30b-a3b llama-3.1-8b; do
+                step "$name-$preset" 150 python decode_ablation.py $preset 272 1 base,head:4x2048w4,head:8x2048w4,head:4x2048w2,head:8x2048w8,head:16x2048w4,head:8x1024w2,head_norm:4x2048w4,head_norm:8x2048w4,head_norm:4x2048w2,head_norm:8x2048w8,base2
+            done ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
