@@ -118,6 +118,7 @@ for name in "$@"; do
         moe-tables) for mml in 272 40960; do
                 step "$name-$mml" 60 python decode_ablation.py qwen3-30b-a3b $mml 1 base,base2
             done ;;
+        b1-8b-272) step "$name" 60 python decode_ablation.py llama-3.1-8b 272 1 base,base2 ;;
         moe-parts) step "$name" 150 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_attention,skip_wqkv,skip_wo,base2 ;;
         # the vocabulary head at batch 1 in small_linear's kernel (alone, and with the final norm in its prologue)

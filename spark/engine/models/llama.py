@@ -233,8 +233,10 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> logits [N, V] in fp32 (every rank's rows, gathered, under tensor parallelism)."""
         if self.output is None:  # tied (packed weights give the head a module of its own, sharing the rows)
-            logits = torch.nn.functional.linear(hidden, self.tok_embeddings.weight)
-        else:
+            logits = self.ops.head(hidden, self.tok_embeddings.weight)
+        elif type(self.output) is nn.Linear:
+            logits = self.ops.head(hidden, self.output.weight)
+        else:  # a packed head (quantized.py) multiplies itself
             logits = self.output(hidden)
         return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 

@@ -141,6 +141,27 @@ def test_small_row_kernel_path_of_a_wide_model(bf16_rounds_to_nearest, monkeypat
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
+def test_head_of_one_row_takes_the_small_row_kernel(bf16_rounds_to_nearest, monkeypatch):
+    """A 2048-wide bf16 head: one row in the small-row kernel (batch-1 decode), two rows in F.linear; the
+    scores the reference's up to the order of the fp32 sums."""
+    launches, real = [], small_linear.small_linear_triton
+
+    def counted(x, weight, **kw):
+        launches.append(x.shape[0])
+        return real(x, weight, **kw)
+
+    monkeypatch.setattr(small_linear, "small_linear_triton", counted)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 2048, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 2048, generator=gen).to(torch.bfloat16)
+    for rows in (1, 2):
+        got = TritonOps.head(x[:rows], weight)
+        expected = TorchOps.head(x[:rows].float(), weight.float())
+        assert got.shape == (rows, 300) and got.dtype == torch.bfloat16
+        assert (got.float() - expected).abs().max() <= 0.01 * expected.abs().max()
+    assert launches == [1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_norms_are_the_references_bit_for_bit(dtype):
     """CpuOps' norms (``F.rms_norm`` without the weight, then the weight's product) round as the reference."""
