@@ -17,6 +17,7 @@ import torch
 triton = None  # bound by _kernels() on first use: TRITON_INTERPRET is read when @triton.jit runs
 tl = None
 _route_token = None  # route_token, bound by _kernels() as a module global, where moe_route_kernel looks it up
+_flip = None  # flip, likewise, for route_token
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +58,15 @@ def jit_route_token():
 @functools.cache
 def _kernels():
     """(route_token, route kernel), JIT-ed at first use."""
-    global triton, tl, _route_token
+    global triton, tl, _route_token, _flip
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def flip(bits, MAGNITUDE: tl.constexpr):
+        """A float's sign-extended bits made to order as signed ints (a negative one's magnitude bits
+        flipped), and back: the flip undoes itself."""
+        return bits ^ ((bits >> 31) & MAGNITUDE)
 
     @triton.jit
     def route_token(logits_row, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
@@ -69,41 +76,55 @@ def _kernels():
         experts in fp32, renormalised if asked.
 
         The softmax is monotonic, so the picks come from the logits, as integers: a float's bits with
-        a negative one's magnitude bits flipped order as signed int32s do. A one-warp program's
-        rounds are its critical path, and on a GPU an int32 max or min over a warp is one
-        instruction (redux.sync), where a float max is a chain of five shuffles; the softmax's sum
-        no longer waits on the picks. Qwen3-30B-A3B's graphed batch-1 step on an H100
-        (decode_ablation.py, the same call): 349.3 tok/s against 345.9 with float argmax rounds.
-        (+0 ranks above -0 here, where float equality tied them.)"""
+        a negative one's magnitude bits flipped order as signed ints do. A one-warp program's rounds
+        are its critical path, and on a GPU an int32 max or min over a warp is one instruction
+        (redux.sync), where a float max is a chain of five shuffles; the softmax's sum no longer
+        waits on the picks. Qwen3-30B-A3B's graphed batch-1 step on an H100 (decode_ablation.py, the
+        same call): 349.3 tok/s against 345.9 with float argmax rounds. A bf16 logit's 16 bits leave
+        room for the id below them: one max a round finds both (354.6 against 353.1 in another call,
+        with the head's fp32 scores). (+0 ranks above -0 here, where float equality tied them.)"""
         experts = tl.arange(0, E_PAD)
         valid = experts < num_experts
-        logits = tl.load(logits_row + experts, mask=valid, other=float("-inf")).to(tl.float32)
-        bits = logits.to(tl.int32, bitcast=True)
         none = -2147483647 - 1  # below every key
-        keys = tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), none)
-        # The largest logit, the softmax's shift (round 0's pick; the flip undoes itself): the sum
-        # needs nothing of the later rounds.
-        shift = tl.max(keys, axis=0)
-        shift = (shift ^ ((shift >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        total = tl.sum(tl.where(valid, tl.exp(logits - shift), 0.0), axis=0)
         picks = tl.arange(0, K_PAD)
         top_key = tl.full([K_PAD], none, tl.int32)
-        top_i = tl.zeros([K_PAD], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(keys, axis=0)
-            at = tl.min(tl.where(keys == best, experts, E_PAD), axis=0)  # the lowest id among ties
-            # A NaN row (a padded row of a replayed graph attends to nothing) may pick a padding
-            # id: it takes expert 0, so that no id ever points outside the weights.
-            top_key = tl.where(picks == j, best, top_key)
-            top_i = tl.where(picks == j, tl.where(at < num_experts, at, 0), top_i)
-            keys = tl.where(experts == at, none, keys)
-        top_logit = (top_key ^ ((top_key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        if logits_row.dtype.element_ty == tl.bfloat16:
+            raw = tl.load(logits_row + experts, mask=valid, other=float("-inf"))
+            bits = raw.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
+            keys = tl.where(valid, (_flip(bits, 0x7FFF) << 16) | (E_PAD - 1 - experts), none)
+            logits = raw.to(tl.float32)
+            # Round 0's pick, the largest logit, is the softmax's shift; the sum needs nothing of the later rounds.
+            shift = (_flip(tl.max(keys, axis=0) >> 16, 0x7FFF) << 16).to(tl.float32, bitcast=True)
+            total = tl.sum(tl.where(valid, tl.exp(logits - shift), 0.0), axis=0)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(keys, axis=0)
+                top_key = tl.where(picks == j, best, top_key)
+                keys = tl.where(keys == best, none, keys)
+            top_i = E_PAD - 1 - (top_key & 0xFFFF)
+            top_logit = (_flip(top_key >> 16, 0x7FFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            logits = tl.load(logits_row + experts, mask=valid, other=float("-inf")).to(tl.float32)
+            bits = logits.to(tl.int32, bitcast=True)
+            keys = tl.where(valid, _flip(bits, 0x7FFFFFFF), none)
+            shift = _flip(tl.max(keys, axis=0), 0x7FFFFFFF).to(tl.float32, bitcast=True)
+            total = tl.sum(tl.where(valid, tl.exp(logits - shift), 0.0), axis=0)
+            top_i = tl.zeros([K_PAD], dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(keys, axis=0)
+                at = tl.min(tl.where(keys == best, experts, E_PAD), axis=0)  # the lowest id among ties
+                top_key = tl.where(picks == j, best, top_key)
+                top_i = tl.where(picks == j, at, top_i)
+                keys = tl.where(experts == at, none, keys)
+            top_logit = _flip(top_key, 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        # A NaN row (a padded row of a replayed graph attends to nothing) may pick a padding id: it
+        # takes expert 0, so that no id ever points outside the weights.
+        top_i = tl.where(top_i < num_experts, top_i, 0)
         top_w = tl.exp(top_logit - shift) / total
         if RENORMALIZE:
             top_w = top_w / tl.sum(tl.where(picks < TOP_K, top_w, 0.0), axis=0)
         return top_w, top_i
 
-    _route_token = route_token
+    _route_token, _flip = route_token, flip
 
     @triton.jit
     def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, num_experts, TOP_K: tl.constexpr,

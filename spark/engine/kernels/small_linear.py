@@ -266,6 +266,7 @@ def small_linear_triton(
     residual: torch.Tensor | None = None,
     gated_output: bool = False,
     config: Config | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`pro(x) @ weight.T (+ residual)` in one kernel (Triton); arguments as `small_linear_reference`.
 
@@ -278,9 +279,11 @@ def small_linear_triton(
       norm_weight, eps, gated, residual, gated_output: see `small_linear_reference`.
       config: launch shape; `default_config(M, N, K, norm=..., gated=...)` when None; a
         tensor-core (`use_dot`) one with `gated_output`.
+      out_dtype: the output's dtype, x's when None; the values are x's dtype's all the same (a
+        head's fp32 logits come out as the projection and a cast would give them, one launch less).
 
     Returns:
-      `[M, N]` contiguous (`[M, N / 2]` with `gated_output`), in x's dtype.
+      `[M, N]` contiguous (`[M, N / 2]` with `gated_output`), in `out_dtype`.
     """
     assert norm_weight is None or not gated, "one prologue at a time"
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == x.dtype
@@ -292,7 +295,7 @@ def small_linear_triton(
     if gated_output:
         assert residual is None and n % 2 == 0
         n //= 2  # outputs: one per (gate, up) pair of weight rows
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if norm_weight is not None:
@@ -505,6 +508,6 @@ def _kernel():
             if HAS_RESIDUAL:
                 r = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)
                 y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y, mask=out_mask)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     return small_linear_kernel

@@ -133,10 +133,11 @@ def _head_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # in the small-row kernel, its default shape (4 rows x 2048 columns a program): inside the graphed
     # batch-1 step on an H100, 23 us a step faster than cuBLAS for Qwen3-30B-A3B's 151936 x 2048 head
     # and 37 us for Llama-3.1-8B's 128256 x 4096 (decode_ablation.py head:*; the other shapes tried
-    # within 6 us of it, and the final norm in its prologue no faster).
+    # within 6 us of it, and the final norm in its prologue no faster). Its scores come out in fp32,
+    # the sampler's dtype, the values still the projection's rounding: no cast launch after it.
     if x.shape[0] == 1 and x.shape[1] >= 2048 and weight.dtype == x.dtype and x.dtype in HALF \
             and weight.stride(1) == 1:
-        return small_linear.small_linear_triton(x, weight)
+        return small_linear.small_linear_triton(x, weight, out_dtype=torch.float32)
     return F.linear(x, weight)
 
 

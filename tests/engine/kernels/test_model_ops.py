@@ -142,8 +142,8 @@ def test_small_row_kernel_path_of_a_wide_model(bf16_rounds_to_nearest, monkeypat
 
 
 def test_head_of_one_row_takes_the_small_row_kernel(bf16_rounds_to_nearest, monkeypatch):
-    """A 2048-wide bf16 head: one row in the small-row kernel (batch-1 decode), two rows in F.linear; the
-    scores the reference's up to the order of the fp32 sums."""
+    """A 2048-wide bf16 head: one row in the small-row kernel (batch-1 decode), its scores in fp32, two rows
+    in F.linear; the scores the reference's up to the order of the fp32 sums."""
     launches, real = [], small_linear.small_linear_triton
 
     def counted(x, weight, **kw):
@@ -157,8 +157,10 @@ def test_head_of_one_row_takes_the_small_row_kernel(bf16_rounds_to_nearest, monk
     for rows in (1, 2):
         got = TritonOps.head(x[:rows], weight)
         expected = TorchOps.head(x[:rows].float(), weight.float())
-        assert got.shape == (rows, 300) and got.dtype == torch.bfloat16
+        assert got.shape == (rows, 300) and got.dtype == (torch.float32 if rows == 1 else torch.bfloat16)
         assert (got.float() - expected).abs().max() <= 0.01 * expected.abs().max()
+        # fp32 scores that are bf16 values: what the projection and a cast give
+        assert torch.equal(got.float(), got.to(torch.bfloat16).float())
     assert launches == [1]
 
 
