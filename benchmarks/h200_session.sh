@@ -119,6 +119,10 @@ for name in "$@"; do
                 step "$name-$mml" 60 python decode_ablation.py qwen3-30b-a3b $mml 1 base,base2
             done ;;
         b1-8b-272) step "$name" 60 python decode_ablation.py llama-3.1-8b 272 1 base,base2 ;;
+        # the one-row MoE layer's launch shapes next to its defaults (wqkv 4x1024w1, wo 2x4096w2, router 2w2e,
+        # gate/up 4x2048w1, down 1x1024w4), after the routing became one int32 max a round
+        moe-sweep) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,wqkv:2x1024w1,wqkv:4x2048w1,wqkv:8x1024w1,wqkv:4x1024w1e,wo:1x4096w2,wo:2x4096w1,wo:4x4096w2,wo:2x4096w2e,gate_up:2x2048w1,gate_up:8x2048w1,gate_up:2x1024w1,down:1x1024w2,down:1x1024w8,down:2x1024w4,down:2x1024w2,router:1w2e,router:4w2e,router:2w4e,base2 ;;
         moe-parts) step "$name" 150 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_attention,skip_wqkv,skip_wo,base2 ;;
         # the vocabulary head at batch 1 in small_linear's kernel (alone, and with the final norm in its prologue)
