@@ -89,6 +89,7 @@ def _kernels():
         picks = tl.arange(0, K_PAD)
         top_key = tl.full([K_PAD], none, tl.int32)
         if logits_row.dtype.element_ty == tl.bfloat16:
+            tl.static_assert(E_PAD <= 65536, "the ids take the low 16 bits of a key")
             raw = tl.load(logits_row + experts, mask=valid, other=float("-inf"))
             bits = raw.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
             keys = tl.where(valid, (_flip(bits, 0x7FFF) << 16) | (E_PAD - 1 - experts), none)

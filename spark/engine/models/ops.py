@@ -68,7 +68,8 @@ class Ops(Protocol):
         sum of their SwiGLU MLPs (w13 [E, 2I, D], w2 [E, D, I]). Returns [T, D]."""
 
     def head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The vocabulary scores ``x @ weight.T`` of the head's rows [V, D] (its own, or the tied embedding's)."""
+        """The vocabulary scores ``x @ weight.T`` of the head's rows [V, D] (its own, or the tied embedding's):
+        [T, V] in x's dtype, or fp32 holding the same values."""
 
 
 def _rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope:
