@@ -117,8 +117,9 @@ def _kernels():
                 top_i = tl.where(picks == j, at, top_i)
                 keys = tl.where(experts == at, none, keys)
             top_logit = _flip(top_key, 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        # A NaN row (a padded row of a replayed graph attends to nothing) may pick a padding id: it
-        # takes expert 0, so that no id ever points outside the weights.
+        # Every real pick is a real expert, in a NaN row too (a padded row of a replayed graph attends
+        # to nothing: NaN's bits rank highest). The picks past TOP_K (K_PAD's padding) found no key:
+        # they take expert 0, so that no id ever points outside the weights.
         top_i = tl.where(top_i < num_experts, top_i, 0)
         top_w = tl.exp(top_logit - shift) / total
         if RENORMALIZE:
