@@ -206,6 +206,34 @@ def input_items(value: str | list[dict] | None, *, param: str = "input") -> list
     return out
 
 
+def check_new_items(history: Sequence[dict], items: Sequence[dict], *, param: str = "input") -> None:
+    """Refuse new items that do not fit after ``history``, as OpenAI refuses them: an id that the
+    history or an earlier new item already holds (a client re-sending what a previous response or
+    the conversation already keeps would put it before the model twice), and a function call
+    output whose call is nowhere before it (a mistyped call_id would reach the model as a tool
+    result answering nothing). Outputs already in the history are not judged again: deleting a
+    conversation's call item, or eviction, may have left them without their call.
+
+    Raises:
+      ApiError: 400 naming the item (``input[2].id``, ``input[0].call_id``).
+    """
+    stored = {item.get("id") for item in history}
+    sent: set[str] = set()
+    calls = {item.get("call_id") for item in history if item.get("type") == "function_call"}
+    for i, item in enumerate(items):
+        if item["id"] in stored or item["id"] in sent:
+            holder = "the history this turn continues" if item["id"] in stored else "an earlier item of this request"
+            raise ApiError(400, f"duplicate item id {item['id']!r}: {holder} holds it already; send each item once",
+                           param=f"{param}[{i}].id")
+        sent.add(item["id"])
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            raise ApiError(400, f"no function_call with call_id {item['call_id']!r} comes before this output; "
+                                "send the call first (or continue the response that made it)",
+                           param=f"{param}[{i}].call_id")
+
+
 def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
     """Stored items (history, then the new input) as OpenAI chat messages, ``instructions`` first.
 

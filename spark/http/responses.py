@@ -41,7 +41,7 @@ from spark.http.gateway import generates
 from spark.http.params import logprobs_k, sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
                                        ResponsesRequest, chat_messages, chat_tools, check_include, check_metadata,
-                                       input_items, new_id, reasoning_text, usage)
+                                       check_new_items, input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps
@@ -115,6 +115,7 @@ async def create_response(serving: Serving):
     items = await spine.off_loop(input_items, req.input)
     if not items and not history:
         raise ApiError(400, "input must hold at least one item", param="input")
+    check_new_items(history, items)
     enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
     truncation = _truncation(req.truncation)
     turn, stage = await spine.fit_turn(
@@ -374,6 +375,7 @@ async def create_conversation():
     raw = await request.get_data()
     req = await request_body(ConversationRequest) if raw.strip() else ConversationRequest()
     items = input_items(req.items or [], param="items")
+    check_new_items((), items, param="items")
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
                     "metadata": check_metadata(req.metadata)}
     await (await _store()).create_conversation(_owner(), conversation, items)
@@ -416,7 +418,12 @@ async def list_conversation_items(cid: str):
 @bp.post("/v1/conversations/<cid>/items")
 async def add_conversation_items(cid: str):
     items = input_items((await request_body(ItemsRequest)).items, param="items")
-    if not await (await _store()).append_conversation_items(_owner(), cid, items):
+    store = await _store()
+    page = await store.conversation_items(_owner(), cid)
+    if page is None:
+        raise _not_found("conversation", cid)
+    check_new_items(page[0], items, param="items")
+    if not await store.append_conversation_items(_owner(), cid, items):
         raise _not_found("conversation", cid)
     return _list(items, False)
 

@@ -229,8 +229,9 @@ class Store:
         return conversation
 
     def conversation_item(self, owner: str, conversation_id: str, item_id: str) -> dict | None:
-        """One item of a conversation, or None when it (or the conversation) is absent. Ids a client gave
-        its items may repeat: the first such item is the one named."""
+        """One item of a conversation, or None when it (or the conversation) is absent. The API refuses
+        a repeated id (``check_new_items``); should the store hold one anyway (items added before that
+        check, or by two requests at once), the first such item is the one named."""
         with self._read() as db:
             row = db.execute("SELECT i.body FROM items i JOIN conversations c ON c.id = i.parent "
                              "WHERE c.id = ? AND c.owner = ? AND i.id = ? ORDER BY i.position LIMIT 1",

@@ -354,6 +354,54 @@ def test_bad_requests(client):
         client.responses.create(model="nope", input="x")
 
 
+def _refused(call) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    return info.value
+
+
+def test_items_that_do_not_fit_their_history_are_refused(client, engine):
+    """An output answering no call, and an item id sent twice, are 400s naming the item, as OpenAI's; the
+    stored state is left as it was."""
+    fresh = _refused(lambda: client.responses.create(model="replay", input=[
+        {"type": "function_call_output", "call_id": "call_nowhere", "output": "18C"}]))
+    assert fresh.body["param"] == "input[0].call_id" and "call_nowhere" in fresh.message
+    paired = client.responses.create(model="replay", tools=[WEATHER], input=[
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "18C [after-tool]"}])
+    assert paired.output_text == REPLIES["[after-tool]"]  # the call in the same input answers it
+    first = client.responses.create(model="replay", input="Weather? [call]", tools=[WEATHER])
+    wrong = _refused(lambda: client.responses.create(
+        model="replay", previous_response_id=first.id, tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": first.output[0].call_id + "x", "output": "18C"}]))
+    assert wrong.body["param"] == "input[0].call_id"
+    resent = _refused(lambda: client.responses.create(
+        model="replay", previous_response_id=first.id, tools=[WEATHER],
+        input=[first.output[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "18C"}]))
+    assert resent.body["param"] == "input[0].id" and first.output[0].id in resent.message
+    assert "history" in resent.message
+    twice = _refused(lambda: client.responses.create(model="replay", input=[
+        {"type": "message", "role": "user", "content": "a", "id": "msg_mine"},
+        {"type": "message", "role": "user", "content": "b", "id": "msg_mine"}]))
+    assert twice.body["param"] == "input[1].id" and "earlier item of this request" in twice.message
+
+    assert _refused(lambda: client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "a", "id": "msg_1"},
+        {"type": "message", "role": "user", "content": "b", "id": "msg_1"}])).body["param"] == "items[1].id"
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "a", "id": "msg_1"}])
+    for items, param in (([{"type": "message", "role": "user", "content": "again", "id": "msg_1"}], "items[0].id"),
+                         ([{"type": "function_call_output", "call_id": "c9", "output": "x"}], "items[0].call_id")):
+        assert _refused(lambda: client.conversations.items.create(conv.id, items=items)).body["param"] == param
+    assert [i.id for i in client.conversations.items.list(conv.id).data] == ["msg_1"]  # nothing was added
+    client.conversations.items.create(conv.id, items=[
+        {"type": "function_call", "call_id": "c9", "name": "get_weather", "arguments": "{}"}])
+    client.conversations.items.create(conv.id, items=[{"type": "function_call_output", "call_id": "c9", "output": "x"}])
+    assert len(client.conversations.items.list(conv.id).data) == 3
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.create("conv_missing", items=[{"type": "message", "role": "user", "content": "a"}])
+
+
 def test_logprobs_are_computed_only_when_included(client, engine):
     r = client.responses.create(model="replay", input="Hi [hello]", include=["message.output_text.logprobs"],
                                 top_logprobs=1)
