@@ -210,8 +210,6 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
 
     for part in ("router", "router_route", "experts", "router_route_experts"):
         variants[f"skip_{part}"] = {"patch": {(moe_gemv, "moe_one_row_triton"): moe_skipping(part)}, "rows": "one"}
-    # The down kernel reading the ids gate/up stored, after its wait, instead of routing the token itself before it.
-    variants["down_loads_ids"] = {"patch": {(moe_gemv, "DOWN_ROUTES"): False}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}),
@@ -310,8 +308,6 @@ for bn, bk, w in ((4, 2048, 4), (8, 2048, 4), (4, 2048, 2), (8, 2048, 8), (16, 2
                                                       (llama.RMSNorm, "forward"): final_norm_in_head},
                                              "rows": "one"}
 variants["base2"] = {}
-if "down_loads_ids" in variants:  # timed again after base2: an A/B of the two, interleaved
-    variants["down_loads_ids2"] = variants["down_loads_ids"]
 if only:
     variants = {k: v for k, v in variants.items() if k in only}
 out = []

@@ -129,12 +129,6 @@ for name in "$@"; do
         head) for preset in qwen3-30b-a3b llama-3.1-8b; do
                 step "$name-$preset" 150 python decode_ablation.py $preset 272 1 base,head:4x2048w4,head:8x2048w4,head:4x2048w2,head:8x2048w8,head:16x2048w4,head:8x1024w2,head_norm:4x2048w4,head_norm:8x2048w4,head_norm:4x2048w2,head_norm:8x2048w8,base2
             done ;;
-        # the down kernel routing its token before its wait on gate/up (base) against loading gate/up's ids after it
-        down-route) for mml in 272 40960; do
-                step "$name-$mml" 90 python decode_ablation.py qwen3-30b-a3b $mml 1 base,down_loads_ids,base2,down_loads_ids2
-            done
-            step "$name-shapes" 90 python decode_ablation.py qwen3-30b-a3b 272 1 \
-                base,down:2x1024w4,down:1x1024w2,down:2x1024w2,down_loads_ids,base2 ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \

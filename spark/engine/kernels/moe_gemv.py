@@ -46,11 +46,6 @@ _route_token = None
 
 SMALL_EXPERT = 1024  # an expert's intermediate size up to which one token takes ``gemv_config``'s one-warp shapes
 
-# Whether the down kernel of a routed launch (the one-row layer's) routes its token again from the logits,
-# before its wait on gate/up, rather than loading the ids gate/up stored after it; a module value for A/B
-# runs (benchmarks/decode_ablation.py's down_loads_ids).
-DOWN_ROUTES = True
-
 
 def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
     """Launch shapes of the two GEMV kernels for ``num_tokens`` tokens of an expert of [2I, D] and
@@ -120,13 +115,10 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
         I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
         ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), **up, **launch.pdl(gate_up_kernel, x))
-    down_routes = route and DOWN_ROUTES
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, logits if down_routes else x, x if residual is None else residual, out, w2.stride(0),
-        w2.stride(1), logits.stride(0) if down_routes else 0, 0 if residual is None else residual.stride(0),
-        out.stride(0), num_experts, D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0,
-        HAS_RESIDUAL=residual is not None, ROUTE=down_routes, RENORMALIZE=renormalize,
-        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        h, w2, ids, weights, x if residual is None else residual, out, w2.stride(0), w2.stride(1),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
         **down, **launch.pdl(down_kernel, x))
     return out
 
@@ -181,8 +173,7 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
     1. the router: small_linear's kernel, the norm in its prologue: logits [T, E];
     2. gate/up (``moe_gemv_gate_up_kernel``): every program routes its token from the logits, the
        norm in its prologue; the first output block's programs store the ids and weights;
-    3. down (``moe_gemv_down_kernel``): routes its token too (``DOWN_ROUTES``), before its wait on gate/up;
-       the weighted combine and the residual add in its epilogue.
+    3. down (``moe_gemv_down_kernel``): the weighted combine and the residual add in its epilogue.
 
     Where the unfused layer launches the add-norm, the router's GEMV, the routing, the two GEMVs and
     the next norm's residual add. All three take PDL on Hopper. Graph-capturable, no host sync.
@@ -274,11 +265,10 @@ def _kernels():
         tl.store(h_ptr + slot.to(tl.int64) * I + cols, h.to(dtype), mask=cols < I)
 
     @triton.jit
-    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, logits_ptr, residual_ptr, out_ptr, stride_we,
-                             stride_wn, stride_lt, stride_rt, stride_ot, num_experts, D: tl.constexpr,
-                             I: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                             ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                             E_PAD: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, stride_we, stride_wn,
+                             stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
         # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
         # (the residual stream's add, in x's dtype as eager ``h + moe(x)``).
@@ -288,26 +278,14 @@ def _kernels():
         ks = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros([BLOCK_N], tl.float32)
-        picks = tl.arange(0, K_PAD)
-        if ROUTE:
-            # The token's picks from the router's logits, before the wait on gate/up (``DOWN_ROUTES``):
-            # the router ran before gate/up, whose programs each waited on it before letting this
-            # kernel launch. After the wait the weight rows' addresses are at hand, with no round
-            # trip for the ids gate/up stored. The same bits as gate/up's own routing.
-            top_w, top_i = _route_token(logits_ptr + token * stride_lt, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-        if PDL:  # h (and the ids and weights, unless ROUTE) come from the kernels before
+        if PDL:  # h, the ids and weights come from the kernels before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         # Unrolled over the picks: their expert ids load up front and their weight streams are
         # independent, so the compiler may put several picks' loads in flight at once.
         for j in tl.static_range(TOP_K):
             slot = token * TOP_K + j
-            if ROUTE:
-                expert = tl.sum(tl.where(picks == j, top_i, 0), axis=0).to(tl.int64)
-                pick_weight = tl.sum(tl.where(picks == j, top_w, 0.0), axis=0)
-            else:
-                expert = tl.load(ids_ptr + slot).to(tl.int64)
-                pick_weight = tl.load(weights_ptr + slot)
+            expert = tl.load(ids_ptr + slot).to(tl.int64)
             rows = w2_ptr + expert * stride_we + row_offsets
             h_row = h_ptr + slot * I
             acc = tl.zeros([BLOCK_N], tl.float32)
@@ -322,7 +300,7 @@ def _kernels():
                     w = tl.load(rows + k[None, :], mask=k_ok[None, :], other=0.0)
                 acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             # The reference's roundings: the product, then the weighted product, in x's dtype.
-            weighted = acc.to(dtype).to(tl.float32) * pick_weight
+            weighted = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)
             total += weighted.to(dtype).to(tl.float32)
         y = total.to(dtype)
         if HAS_RESIDUAL:

@@ -113,13 +113,10 @@ def test_gate_up_routes_as_route_triton():
     assert torch.equal(ids, want_i.reshape(-1)) and torch.equal(weights, want_w.reshape(-1))
 
 
-@pytest.mark.parametrize("routed, down_routes", [(True, True), (True, False), (False, False)],
-                         ids=["down_routes_too", "down_reads_gate_up_ids", "from_ids"])
-def test_one_token_of_small_experts_routed_or_given(routed, down_routes, monkeypatch):
-    # One token of small experts (gemv_config's one-warp shapes): the down kernel routes the token from the
-    # logits itself (DOWN_ROUTES), reads the ids and weights gate/up wrote from them, or takes the ones
-    # given; the same sums every way.
-    monkeypatch.setattr(moe_gemv, "DOWN_ROUTES", down_routes)
+@pytest.mark.parametrize("routed", [True, False], ids=["from_logits", "from_ids"])
+def test_one_token_of_small_experts_routed_or_given(routed):
+    # One token of small experts (gemv_config's one-warp shapes): the down kernel reads the ids and
+    # weights gate/up wrote from the logits, or the ones given; the same sums either way.
     experts, k, hidden, inter = QWEN3_MOE_SMALL
     h, norm_weight, router, w13, w2, _ = make_one_row(1, QWEN3_MOE_SMALL, torch.float32, seed=11)
     logits = h @ router.T
@@ -130,14 +127,3 @@ def test_one_token_of_small_experts_routed_or_given(routed, down_routes, monkeyp
     got = moe_gemv._launch_gemvs(h, w13, w2, k, flat_ids, flat_weights, logits=logits if routed else None,
                                  renormalize=True)
     torch.testing.assert_close(got, fused_moe.fused_moe_reference(h, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-
-
-def test_down_routing_itself_gives_the_bits_of_reading_gate_ups_picks(monkeypatch):
-    # bf16 logits (route_token's packed keys), Mixtral's renormalised weights: the down kernel's own routing
-    # is gate/up's, so the layer's output is the same to the bit either way.
-    h, norm_weight, router, w13, w2, k = make_one_row(1, MIXTRAL_SMALL, torch.bfloat16, seed=13)
-    outs = []
-    for down_routes in (True, False):
-        monkeypatch.setattr(moe_gemv, "DOWN_ROUTES", down_routes)
-        outs.append(moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True))
-    assert torch.equal(outs[0], outs[1])
