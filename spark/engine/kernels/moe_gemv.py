@@ -220,13 +220,9 @@ def _kernels():
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if ROUTE:
-            top_w, top_i = _route_token(logits_ptr + token * stride_lt, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-            picks = tl.arange(0, K_PAD)
-            mine = picks == slot % TOP_K
-            expert = tl.sum(tl.where(mine, top_i, 0), axis=0).to(tl.int64)
-            first = tl.program_id(1) == 0
-            tl.store(ids_ptr + slot + picks * 0, top_i, mask=mine & first)
-            tl.store(weights_ptr + slot + picks * 0, top_w, mask=mine & first)
+            top_w, top_i, expert = _route_token(logits_ptr + token * stride_lt, num_experts, slot % TOP_K, TOP_K,
+                                                K_PAD, E_PAD, RENORMALIZE)
+            expert = expert.to(tl.int64)
         else:
             expert = tl.load(ids_ptr + slot).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,6 +259,13 @@ def _kernels():
         # Gate and up rounded as the unfused projection's output is, the gate in fp32, rounded once.
         h = _silu_mul(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32))
         tl.store(h_ptr + slot.to(tl.int64) * I + cols, h.to(dtype), mask=cols < I)
+        if ROUTE:
+            # The slot's id and weight for the down kernel, stored last: stores ahead of the weight loads
+            # would hold them back behind the softmax that only the weight needs.
+            picks = tl.arange(0, K_PAD)
+            mine = (picks == slot % TOP_K) & (tl.program_id(1) == 0)
+            tl.store(ids_ptr + slot + picks * 0, top_i, mask=mine)
+            tl.store(weights_ptr + slot + picks * 0, top_w, mask=mine)
 
     @triton.jit
     def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, stride_we, stride_wn,

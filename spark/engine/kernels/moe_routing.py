@@ -69,11 +69,15 @@ def _kernels():
         return bits ^ ((bits >> 31) & MAGNITUDE)
 
     @triton.jit
-    def route_token(logits_row, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    def route_token(logits_row, num_experts, pick, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                     RENORMALIZE: tl.constexpr):
-        """One token's (weights fp32 [K_PAD], expert ids int32 [K_PAD]) from its logits: k rounds of
-        argmax over the logits (the lowest id among ties), each pick's weight its softmax over the
-        experts in fp32, renormalised if asked.
+        """One token's (weights fp32 [K_PAD], expert ids int32 [K_PAD], the id of pick ``pick`` as a scalar)
+        from its logits: k rounds of argmax over the logits (the lowest id among ties), each pick's
+        weight its softmax over the experts in fp32, renormalised if asked.
+
+        The scalar is kept as its round finds it, so that a program that reads one expert's weights
+        (moe_gemv's gate/up) has its address after the rounds, with no reduction over the picks and
+        without waiting on the softmax, which only the weights need.
 
         The softmax is monotonic, so the picks come from the logits, as integers: a float's bits with
         a negative one's magnitude bits flipped order as signed ints do. A one-warp program's rounds
@@ -88,6 +92,7 @@ def _kernels():
         none = -2147483647 - 1  # below every key
         picks = tl.arange(0, K_PAD)
         top_key = tl.full([K_PAD], none, tl.int32)
+        chosen = none  # the key (bf16) or id (else) of round ``pick``
         if logits_row.dtype.element_ty == tl.bfloat16:
             tl.static_assert(E_PAD <= 65536, "the ids take the low 16 bits of a key")
             raw = tl.load(logits_row + experts, mask=valid, other=float("-inf"))
@@ -100,8 +105,10 @@ def _kernels():
             for j in tl.static_range(TOP_K):
                 best = tl.max(keys, axis=0)
                 top_key = tl.where(picks == j, best, top_key)
+                chosen = tl.where(pick == j, best, chosen)
                 keys = tl.where(keys == best, none, keys)
             top_i = E_PAD - 1 - (top_key & 0xFFFF)
+            chosen = E_PAD - 1 - (chosen & 0xFFFF)
             top_logit = (_flip(top_key >> 16, 0x7FFF) << 16).to(tl.float32, bitcast=True)
         else:
             logits = tl.load(logits_row + experts, mask=valid, other=float("-inf")).to(tl.float32)
@@ -115,16 +122,18 @@ def _kernels():
                 at = tl.min(tl.where(keys == best, experts, E_PAD), axis=0)  # the lowest id among ties
                 top_key = tl.where(picks == j, best, top_key)
                 top_i = tl.where(picks == j, at, top_i)
+                chosen = tl.where(pick == j, at, chosen)
                 keys = tl.where(experts == at, none, keys)
             top_logit = _flip(top_key, 0x7FFFFFFF).to(tl.float32, bitcast=True)
         # Every real pick is a real expert, in a NaN row too (a padded row of a replayed graph attends
         # to nothing: NaN's bits rank highest). The picks past TOP_K (K_PAD's padding) found no key:
         # they take expert 0, so that no id ever points outside the weights.
         top_i = tl.where(top_i < num_experts, top_i, 0)
+        chosen = tl.where((chosen >= 0) & (chosen < num_experts), chosen, 0)
         top_w = tl.exp(top_logit - shift) / total
         if RENORMALIZE:
             top_w = top_w / tl.sum(tl.where(picks < TOP_K, top_w, 0.0), axis=0)
-        return top_w, top_i
+        return top_w, top_i, chosen
 
     _route_token, _flip = route_token, flip
 
@@ -133,7 +142,7 @@ def _kernels():
                          K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
         # One token a program.
         t = tl.program_id(0).to(tl.int64)
-        top_w, top_i = _route_token(logits_ptr + t * stride_t, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        top_w, top_i, _ = _route_token(logits_ptr + t * stride_t, num_experts, 0, TOP_K, K_PAD, E_PAD, RENORMALIZE)
         picks = tl.arange(0, K_PAD)
         tl.store(weights_ptr + t * TOP_K + picks, top_w, mask=picks < TOP_K)
         tl.store(ids_ptr + t * TOP_K + picks, top_i, mask=picks < TOP_K)
