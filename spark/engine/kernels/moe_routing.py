@@ -77,7 +77,9 @@ def _kernels():
 
         The scalar is kept as its round finds it, so that a program that reads one expert's weights
         (moe_gemv's gate/up) has its address after the rounds, with no reduction over the picks and
-        without waiting on the softmax, which only the weights need.
+        without waiting on the softmax, which only the weights need: Qwen3-30B-A3B's graphed batch-1
+        step on an H100, 360.8 tok/s against 358.6 when gate/up summed its pick out of the ids and
+        stored them ahead of its weight loads.
 
         The softmax is monotonic, so the picks come from the logits, as integers: a float's bits with
         a negative one's magnitude bits flipped order as signed ints do. A one-warp program's rounds
