@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_decode import spark_decode
 from spark.engine.engine import Engine
-from spark.engine.kernels import paged_attention as pa, small_linear as sl, launch
+from spark.engine.kernels import paged_attention as pa, small_linear as sl, launch, moe_gemv
+import attrs
 import spark.engine.models.llama as llama
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
@@ -64,8 +65,19 @@ def tag(cfg):
     return t + f"{'s%d' % cfg.num_stages if cfg.use_dot else ''}{'e' if cfg.early_tile else ''}"
 
 
+def flat_rows(on):
+    """default_config with every one-row launch's flat_row set to ``on`` (the router's too)."""
+    def f(m, n, k, **kw):
+        cfg = real_cfg(m, n, k, **kw)
+        return attrs.evolve(cfg, flat_row=on) if m == 1 else cfg
+    return {"cfg": f, "patch": {(moe_gemv, "ROUTER_CONFIG"): dict(moe_gemv.ROUTER_CONFIG, flat_row=on)}, "rows": "one"}
+
+
 variants = {
     "base": {},
+    # small_linear's flat one-row product (Config.flat_row): nowhere, and for every weight (small ones only: base)
+    "flat_none": flat_rows(False),
+    "flat_all": flat_rows(True),
     "no_early_loads": {"flags": {"keys": False}},
     "no_early_tile": {"early_max": 0},
     # One piece of the batch-1 step left out (the fused small-row path).
@@ -142,7 +154,6 @@ if preset == "llama-3.1-8b":
         variants[f"triton_wqkv:{tag(cfg)}"] = {"patch": {(llama.Attention, "forward"): triton_wqkv(cfg)}, "rows": "dot"}
 
 if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's launch shapes in the chain
-    from spark.engine.kernels import moe_gemv  # gemv_config and ROUTER_CONFIG: looked up there at each launch
 
     one = lambda bn, bk, **kw: C(bn, bk, **{"defer_reduce": False, **kw})  # noqa: E731 (the FMA path)
     for name, shape, cfgs in [

@@ -129,6 +129,11 @@ for name in "$@"; do
         head) for preset in qwen3-30b-a3b llama-3.1-8b; do
                 step "$name-$preset" 150 python decode_ablation.py $preset 272 1 base,head:4x2048w4,head:8x2048w4,head:4x2048w2,head:8x2048w8,head:16x2048w4,head:8x1024w2,head_norm:4x2048w4,head_norm:8x2048w4,head_norm:4x2048w2,head_norm:8x2048w8,base2
             done ;;
+        # small_linear's flat one-row product (Config.flat_row): small weights only (base), nowhere, everywhere
+        flat-rows) for preset in smollm2-135m qwen3-30b-a3b llama-3.1-8b; do
+                step "$name-$preset" 90 python decode_ablation.py $preset 272 1 base,flat_none,flat_all,base2
+            done
+            step "$name-moe-40960" 60 python decode_ablation.py qwen3-30b-a3b 40960 1 base,flat_none,base2 ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \

@@ -127,7 +127,7 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
 # step (64 programs of 8 KB for Qwen3-MoE's 128 x 2048), loaded before the wait on the kernel before
 # (``small_linear.Config.early_tile``): the weight's whole stream in flight under that kernel's tail.
 # Not yet measured against small_linear's default for the shape (8 rows x 1024 columns, 16 programs).
-ROUTER_CONFIG = dict(block_n=2, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True)
+ROUTER_CONFIG = dict(block_n=2, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True, flat_row=True)
 
 
 def router_config(num_experts: int, hidden: int):

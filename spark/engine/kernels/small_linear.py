@@ -76,6 +76,16 @@ class Config:
       split_k: partitions of K, each its own program (`small_linear_split_k_triton`
         only): the grid is `cdiv(N, block_n) * split_k` programs, each writing an fp32
         partial product that the consumer sums.
+      flat_row: a launch of one row takes its product (without tensor cores) in the weight
+        tile's own layout, `x` broadcast over the tile's rows. The `[rows, outputs, K]`
+        product otherwise moves the whole tile through shared memory into a layout of its
+        own, barriers between (sm_90 SASS), which a short stream pays on its critical path;
+        but that move also has ptxas issue every load of the tile before the first multiply,
+        where the flat product's loads go out a few at a time between the multiplies, and a
+        long stream then has fewer bytes in flight. On an H100, every one-row launch flat
+        (graphed batch-1 steps, decode_ablation.py): SmolLM2-135M 2050 tok/s against 1872,
+        Llama-3.1-8B 172.7 against 186.3, Qwen3-30B-A3B 354.2 against 356.5. So small
+        weights only (`default_config`).
     """
 
     block_n: int
@@ -86,6 +96,7 @@ class Config:
     defer_reduce: bool = True
     early_tile: bool = False
     split_k: int = 1
+    flat_row: bool = False
 
 
 # One-row weights below this size take the short-stream launch shapes of `tiling` (Llama-3.1-8B's
@@ -100,10 +111,12 @@ EARLY_TILE_MAX_BYTES = 8 << 20
 def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
                    gated_output: bool = False) -> Config:
     """`tiling(...)`, with the first weight tile loaded early for a small weight (not
-    with a gated output, whose two tiles a step the early path does not load)."""
+    with a gated output, whose two tiles a step the early path does not load), and one
+    row of a small weight in the flat product (`Config.flat_row`)."""
     cfg = tiling(m, n, k, norm=norm, gated=gated, gated_output=gated_output)
-    small = n * k * 2 <= EARLY_TILE_MAX_BYTES
-    return attrs.evolve(cfg, early_tile=True) if small and not gated_output else cfg
+    if n * k * 2 > EARLY_TILE_MAX_BYTES:
+        return cfg
+    return attrs.evolve(cfg, early_tile=cfg.early_tile or not gated_output, flat_row=True)
 
 
 def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
@@ -374,7 +387,7 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
-        SPLIT_K=cfg.split_k, PARTIALS=partials,
+        SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -421,11 +434,19 @@ def _kernel():
         return a, sum_sq
 
     @triton.jit
-    def product(acc, a, w, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def product(acc, a, w, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FLAT_ROW: tl.constexpr):
         """`acc` plus the tile product `a @ w.T` (per lane along K with DEFER_REDUCE)."""
         # One return: Triton generates the code after a return in a constexpr branch too.
         if USE_DOT:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        elif FLAT_ROW:
+            # One row: `a` [1, BK] broadcast over the weight tile [BN, BK], in the layout the tile
+            # loads in (`Config.flat_row`).
+            if DEFER_REDUCE:
+                acc += a.to(tl.float32) * w.to(tl.float32)  # [BN, BK]
+            else:
+                acc += tl.sum(a.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
         elif DEFER_REDUCE:
             acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
         else:
@@ -445,6 +466,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
+        FLAT_ROW: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -474,21 +496,26 @@ def _kernel():
             sum_sq = tl.zeros([1, 1], tl.float32)  # unused
         if USE_DOT or not DEFER_REDUCE:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        elif FLAT_ROW:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         else:
             # Per-lane partial sums, reduced across K once after the loop: the loop body
             # is loads and FMAs only, no shuffles or shared-memory round trips per step.
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         if EARLY_TILE:  # the first step, on the early tile
             a, sum_sq = _activation_tile(x_rows, ks, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K, PROLOGUE)
-            acc = _product(acc, a, w_first, USE_DOT, DEFER_REDUCE, DOT_PRECISION)
+            acc = _product(acc, a, w_first, USE_DOT, DEFER_REDUCE, DOT_PRECISION, FLAT_ROW)
         for k0 in range(BLOCK_K if EARLY_TILE else 0, K_PART, BLOCK_K):
             k = k0 + ks
             a, sum_sq = _activation_tile(x_rows, k, row_ok, sum_sq, norm_w_ptr, stride_xk, dtype, K, PROLOGUE)
-            acc = _product(acc, a, _load_weight(w_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION)
+            acc = _product(acc, a, _load_weight(w_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION, FLAT_ROW)
             if GATED_OUTPUT:
-                acc_up = _product(acc_up, a, _load_weight(w_up_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION)
+                acc_up = _product(acc_up, a, _load_weight(w_up_rows, k, K, EVEN_K), USE_DOT, DEFER_REDUCE, DOT_PRECISION, FLAT_ROW)
         if not USE_DOT and DEFER_REDUCE:
-            acc = tl.sum(acc, axis=2)
+            if FLAT_ROW:
+                acc = tl.sum(acc, axis=1)[None, :]
+            else:
+                acc = tl.sum(acc, axis=2)
         if PROLOGUE == 1:
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
             acc = acc * rstd

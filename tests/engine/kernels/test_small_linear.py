@@ -35,13 +35,16 @@ def assert_matches(actual, expected):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("prologue", ["plain", "norm", "gated"])
-def test_matches_reference(prologue, residual, dtype, path, early_tile):
-    # K and N off the block sizes: a tail step along K and a partial last program along N.
+@pytest.mark.parametrize("one_row", [False, True], ids=["", "one_row"])
+def test_matches_reference(prologue, residual, dtype, path, early_tile, one_row):
+    # K and N off the block sizes: a tail step along K and a partial last program along N. One row
+    # takes the flat product (Config.flat_row), except on the tensor cores.
     cases = {"plain": (3, 100, 200), "norm": (8, 48, 136), "gated": (5, 72, 96)}
     m, n, k = cases[prologue]
+    m = 1 if one_row else m
     x, weight, kwargs = make_inputs(m, n, k, dtype, prologue=prologue, residual=residual)
     config = sl.Config(block_n=16, block_k=64, use_dot=path == "dot", defer_reduce=path == "deferred",
-                       early_tile=early_tile)
+                       early_tile=early_tile, flat_row=one_row)
     assert_matches(sl.small_linear_triton(x, weight, config=config, **kwargs), sl.small_linear_reference(x, weight, **kwargs))
 
 
@@ -146,6 +149,16 @@ def test_prologues_change_the_result():
     assert not torch.allclose(plain, sl.small_linear_reference(x, weight, **kwargs), atol=1e-2)
     gate_up = torch.cat((x, x), dim=1)
     assert not torch.allclose(plain, sl.small_linear_reference(gate_up, weight, gated=True), atol=1e-2)
+
+
+def test_flat_row_for_one_row_of_a_small_weight():
+    assert sl.default_config(1, 960, 576, norm=True).flat_row  # SmolLM2's wqkv
+    assert sl.default_config(1, 2 * 1536, 576, norm=True, gated_output=True).flat_row  # and its w13
+    assert not sl.default_config(1, 4096, 4096).flat_row  # Llama-3.1-8B's wo
+    # a flat config given more rows takes the [rows, outputs, K] product: the same results
+    x, weight, kwargs = make_inputs(3, 40, 96, torch.float32, prologue="norm", residual=True)
+    assert_matches(sl.small_linear_triton(x, weight, config=sl.Config(block_n=8, block_k=32, flat_row=True), **kwargs),
+                   sl.small_linear_reference(x, weight, **kwargs))
 
 
 def test_early_tile_for_small_weights_only():
