@@ -34,6 +34,7 @@ engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model
 real_sl = sl.small_linear_triton
 real_kernels = pa._kernels
 real_choose = pa.choose_num_splits
+real_decode_config = pa.decode_config
 
 class Noop:
     def __getitem__(self, grid):
@@ -78,6 +79,8 @@ variants = {
     # small_linear's flat one-row product (Config.flat_row): nowhere, and for every weight (small ones only: base)
     "flat_none": flat_rows(False),
     "flat_all": flat_rows(True),
+    # the split-KV reduce on 4 warps whatever its size (before decode_plan.reduce_num_warps)
+    "reduce_warps4": {"patch": {(pa, "reduce_num_warps"): lambda block_s, block_d: 4}},
     "no_early_loads": {"flags": {"keys": False}},
     "no_early_tile": {"early_max": 0},
     # One piece of the batch-1 step left out (the fused small-row path).
@@ -279,6 +282,11 @@ for name, shape, cfgs in [
 for bn, w, st in ((32, 4, 2), (32, 2, 2), (64, 2, 2), (64, 8, 2), (16, 4, 2), (32, 4, 1), (64, 4, 2), (128, 8, 1)):
     variants[f"attn1:{bn}w{w}s{st}"] = {
         "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, one_row=False, c=pa.DecodeConfig(bn, w, st): c}, "rows": "one"}
+# The one-row config (128-key steps, one stage, empty partitions exiting) on 4 warps instead of 8: fewer
+# warps for its head norms' and softmax's reductions to cross (8 barriers before its key loop, not 10).
+variants["attn1:128w4s1e"] = {
+    "patch": {(pa, "decode_config"): lambda head_dim, fp8_cache=False, one_row=False, c=pa.DecodeConfig(128, 4, 1, True):
+              c if one_row else real_decode_config(head_dim, fp8_cache, one_row)}, "rows": "one"}
 # Split-KV partitions of batch-1 decode attention (the heuristic picks 4 at a 272-token
 # context; 1 drops the reduce kernel, one launch a layer).
 for n in (1, 2, 8):

@@ -134,6 +134,12 @@ for name in "$@"; do
                 step "$name-$preset" 90 python decode_ablation.py $preset 272 1 base,flat_none,flat_all,base2
             done
             step "$name-moe-40960" 60 python decode_ablation.py qwen3-30b-a3b 40960 1 base,flat_none,base2 ;;
+        # the split-KV reduce on one warp (base) against four, and the one-row attention on 4 or 2 warps against 8
+        reduce-warps) for preset in qwen3-30b-a3b llama-3.1-8b; do
+                step "$name-$preset" 90 python decode_ablation.py $preset 272 1 base,reduce_warps4,attn1:128w4s1e,base2
+            done
+            step "$name-moe-40960" 60 python decode_ablation.py qwen3-30b-a3b 40960 1 base,reduce_warps4,attn1:128w4s1e,base2
+            step "$name-rows" 90 python decode_ablation.py qwen3-30b-a3b 40960 8,64 base,reduce_warps4,base2 ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \

@@ -107,3 +107,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, min_keys:
     by_occupancy = -(-_TARGET_PROGRAMS // max(programs, 1))
     by_length = max_context // min_keys
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def reduce_num_warps(block_s: int, block_d: int) -> int:
+    """Warps of a split-KV reduce program (one query head: ``block_s`` partitions of ``block_d`` dims).
+
+    One warp up to 1024 values: the partitions sit in each thread's registers and the merge is
+    reductions inside threads, where 4 warps spread them across warps and merged through shared
+    memory, four barriers a program (sm_90 SASS), on the critical path between attention and wo.
+    Wider merges (a 40960-key table's 32 partitions) keep more warps for their loads."""
+    return max(1, min(4, block_s * block_d // 1024))
+

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from spark.engine.kernels import fp8, key_block, launch, norm, rope
-from spark.engine.kernels.decode_plan import DecodeConfig, choose_num_splits, decode_config, one_row_fits
+from spark.engine.kernels.decode_plan import (DecodeConfig, choose_num_splits, decode_config, one_row_fits,
+                                               reduce_num_warps)
 
 # Bound by `_kernels()` on first use, never at import: `@triton.jit` decides between
 # compiling and interpreting (TRITON_INTERPRET) when it runs, and a CPU-only install
@@ -345,9 +346,10 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps, **launch.pdl(decode_kernel, q),
     )
     if split:
+        block_s = triton.next_power_of_2(num_splits)
         reduce_kernel[(batch, num_heads)](
             partial_max, partial_sum, partial_out, out, seq_lens, *out.stride(), head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+            BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=cfg.block_n, num_warps=reduce_num_warps(block_s, block_d),
             **launch.pdl(reduce_kernel, q),
         )
     return out
