@@ -191,7 +191,7 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
         variants[f"gate_up:2x2048w1s{stages}"] = {"patch": {(moe_gemv, "gemv_config"): gemv(
             gate_up=dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1, num_stages=stages))}, "rows": "one"}
     for bn, w in ((2, 4), (8, 4), (4, 2), (4, 8), (2, 2), (8, 8), (16, 8), (2, 8), (1, 4), (1, 2), (2, 1), (4, 1),
-                  (8, 1), (1, 8)):
+                  (8, 1), (1, 8), (1, 1), (4, 4)):
         variants[f"down:{bn}x1024w{w}"] = {
             "patch": {(moe_gemv, "gemv_config"): gemv(down=dict(BLOCK_N=bn, num_warps=w))}, "rows": "one"}
 

@@ -140,6 +140,9 @@ for name in "$@"; do
             done
             step "$name-moe-40960" 60 python decode_ablation.py qwen3-30b-a3b 40960 1 base,reduce_warps4,attn1:128w4s1e,base2
             step "$name-rows" 90 python decode_ablation.py qwen3-30b-a3b 40960 8,64 base,reduce_warps4,base2 ;;
+        # the one-token down kernel's launch shapes next to its default, on its pipelined picks
+        down-shapes) step "$name" 90 python decode_ablation.py qwen3-30b-a3b 272 1 \
+                base,down:1x1024w1,down:2x1024w4,down:2x1024w8,down:4x1024w4,down:4x1024w8,base2 ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \

@@ -59,9 +59,12 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
 
     One token of small experts (I <= ``SMALL_EXPERT``; Qwen3-MoE's 2048 x 768, 3 MB each): gate/up on
     one warp a program, so that an SM holds more programs' loads in flight, and down one output row
-    a program on 4 warps (2048 programs). Inside Qwen3-30B-A3B's graphed batch-1 step on an H100
+    a program on one warp too (2048 programs). Inside Qwen3-30B-A3B's graphed batch-1 step on an H100
     (decode_ablation.py): gate/up on 1 warp 5.6 us a layer faster than on 2; down in 2 rows on 1
-    warp 3.4 faster than 4 rows on 4, and 1 row on 4 warps 1.5 faster still. Several tokens, and larger experts,
+    warp 3.4 faster than 4 rows on 4, and 1 row on 4 warps 1.5 faster still. On an H200 (2026-12-06,
+    the picks' reductions inside a warp, with no barrier between one pick's loads and the next's):
+    down's 1 row on 1 warp 448.4 tok/s against 429.4 on 4 warps (2.1 us a layer; 442.3 against 420.5
+    under a 40960-key table); not timed on an H100 since. Several tokens, and larger experts,
     keep 2 warps for gate/up and 4 output rows a program for down (1024 programs of 224 KB for one
     Mixtral token); the one-token shapes were not measured there.
 
@@ -73,7 +76,7 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
     np2 = small_linear.triton_next_power_of_2
     if inter <= SMALL_EXPERT and num_tokens == 1:
         return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=1),
-                    down=dict(BLOCK_N=1, BLOCK_K=np2(inter), num_warps=4))
+                    down=dict(BLOCK_N=1, BLOCK_K=np2(inter), num_warps=1))
     return dict(gate_up=dict(BLOCK_N=4, BLOCK_K=min(2048, np2(hidden)), num_warps=2),
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
 
@@ -123,11 +126,13 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
     return out
 
 
-# The router's launch shape in the one-row layer: 2 of its E rows a program, each row whole in one
-# step (64 programs of 8 KB for Qwen3-MoE's 128 x 2048), loaded before the wait on the kernel before
-# (``small_linear.Config.early_tile``): the weight's whole stream in flight under that kernel's tail.
+# The router's launch shape in the one-row layer: 4 of its E rows a program, each row whole in one
+# step (32 programs of 16 KB for Qwen3-MoE's 128 x 2048), loaded before the wait on the kernel before
+# (``small_linear.Config.early_tile``): the weight's whole stream in flight under that kernel's tail;
+# the flat one-row product (``small_linear.Config.flat_row``). 4 rows against 2 on an H200: 452.9 tok/s
+# against 448.4 (Qwen3-30B-A3B batch 1, decode_ablation.py); on an H100 it did not win (2f08a28's sweep).
 # Not yet measured against small_linear's default for the shape (8 rows x 1024 columns, 16 programs).
-ROUTER_CONFIG = dict(block_n=2, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True, flat_row=True)
+ROUTER_CONFIG = dict(block_n=4, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True, flat_row=True)
 
 
 def router_config(num_experts: int, hidden: int):
