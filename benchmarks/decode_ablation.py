@@ -241,7 +241,7 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=4, num_warps=8))
     variants["combo_c"] = combo(one(8, 1024, num_warps=2), one(8, 2048),
                                 dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1), dict(BLOCK_N=2, num_warps=4))
-    for bn, w, early in ((1, 2, True), (4, 2, True), (2, 4, True), (2, 2, False), (8, 4, True)):
+    for bn, w, early in ((1, 2, True), (4, 2, True), (2, 4, True), (2, 2, False), (8, 4, True), (2, 2, True)):
         variants[f"router:{bn}w{w}{'e' if early else ''}"] = {
             "patch": {(moe_gemv, "ROUTER_CONFIG"): dict(moe_gemv.ROUTER_CONFIG, block_n=bn, num_warps=w,
                                                          early_tile=early)},
