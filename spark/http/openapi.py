@@ -29,7 +29,8 @@ from spark.http.admin import DownRequest, UpRequest
 from spark.http.anthropic import PREFIX as ANTHROPIC_PREFIX
 from spark.http.anthropic import CountTokensRequest, MessagesRequest
 from spark.http.gateway import UPSTREAM_ONLY
-from spark.http.response_items import ConversationRequest, ConversationUpdate, ItemsRequest, ResponsesRequest
+from spark.http.response_items import (INCLUDABLE, ConversationRequest, ConversationUpdate, ItemsRequest,
+                                       ResponsesRequest)
 from spark.http.schemas import ChatRequest, CompletionRequest, Prompt
 from spark.http.tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -56,7 +57,8 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 _AUTOMATIC = {"HEAD", "OPTIONS"}  # every route answers these; they are not operations of their own
 
 _PAGE = {"after": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
-         "order": {"enum": ["asc", "desc"], "default": "desc"}}
+         "order": {"enum": ["asc", "desc"], "default": "desc"},
+         "include[]": {"enum": sorted(INCLUDABLE)}}  # repeatable, as the SDKs send it; checked, adds nothing
 QUERIES: dict[str, dict[str, dict]] = {  # the query strings the views read (request.args)
     "responses.list_input_items": _PAGE,
     "responses.list_conversation_items": _PAGE,

@@ -349,7 +349,10 @@ async def list_input_items(rid: str):
 
 
 def _page_args() -> tuple[str | None, int, str]:
+    """A list's ``after``, ``limit`` and ``order``; its ``include`` values (the SDK sends ``include[]``) are
+    checked as a create's: what they name is stored with the items already."""
     args = request.args
+    check_include(args.getlist("include[]") + args.getlist("include"))
     order = args.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order")

@@ -402,6 +402,14 @@ def test_items_that_do_not_fit_their_history_are_refused(client, engine):
         client.conversations.items.create("conv_missing", items=[{"type": "message", "role": "user", "content": "a"}])
 
 
+def test_lists_check_their_include_values(client):
+    r = client.responses.create(model="replay", input="Hi [hello]", conversation=client.conversations.create().id)
+    assert len(client.conversations.items.list(r.conversation.id, include=["message.output_text.logprobs"]).data) == 2
+    typo = _refused(lambda: client.conversations.items.list(r.conversation.id, include=["message.output_text.logprob"]))
+    assert typo.body["param"] == "include[0]" and "message.output_text.logprob'" in typo.message
+    assert _refused(lambda: client.responses.input_items.list(r.id, include=["nope"])).body["param"] == "include[0]"
+
+
 def test_logprobs_are_computed_only_when_included(client, engine):
     r = client.responses.create(model="replay", input="Hi [hello]", include=["message.output_text.logprobs"],
                                 top_logprobs=1)
