@@ -289,11 +289,13 @@ def _kernels():
         if PDL:  # h, the ids and weights come from the kernels before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        # Unrolled over the picks, yet one at a time: each pick's reduction across the warps (a
-        # barrier) keeps the next pick's loads behind it (sm_90 PTX), and the SM's other programs
-        # hide the round trips. Every pick's row loaded at once, one [8, 1, 1024] tile a program,
-        # was slower: Qwen3-30B-A3B batch 1 on an H100, 350.2 tok/s against 360.8 (fewer programs
-        # fit on the SMs; results 2026-12-06-h100-route-pick-3e462c4.json).
+        # Unrolled over the picks. On several warps each pick's reduction crosses them (a barrier)
+        # and keeps the next pick's loads behind it (sm_90 PTX); one warp (one token's shape,
+        # gemv_config) reduces inside the warp, with no barrier. Every pick's row loaded at once, one
+        # [8, 1, 1024] tile a program on 4 warps, was slower: Qwen3-30B-A3B batch 1 on an H100,
+        # 350.2 tok/s against 360.8 (results 2026-12-06-h100-route-pick-3e462c4.json); so was a
+        # software pipeline (pick j + 1's row loaded while pick j reduces) at its best shape on an
+        # H200, 446.3 against 448.7 for this loop on one warp (2026-12-06-h200-moe.json).
         for j in tl.static_range(TOP_K):
             slot = token * TOP_K + j
             expert = tl.load(ids_ptr + slot).to(tl.int64)
