@@ -82,11 +82,10 @@ class Config:
         own, barriers between (sm_90 SASS), which a short stream pays on its critical path;
         but that move also has ptxas issue every load of the tile before the first multiply,
         where the flat product's loads go out a few at a time between the multiplies, and a
-        long stream then has fewer bytes in flight. On an H100, every one-row launch flat
-        (graphed batch-1 steps, decode_ablation.py): SmolLM2-135M 2050 tok/s against 1872,
-        Llama-3.1-8B 172.7 against 186.3, Qwen3-30B-A3B 354.2 against 356.5. So small
-        weights only (`default_config`): SmolLM2 2048 against 1871, the others tie
-        (results 2026-12-06-h100-flat-row-4f04f4c.json).
+        long stream then has fewer bytes in flight. So small weights only (`default_config`):
+        graphed batch-1 steps on an H100 (decode_ablation.py), SmolLM2-135M 2048 tok/s against
+        1871, Qwen3-30B-A3B and Llama-3.1-8B tied; every one-row launch flat, Llama-3.1-8B
+        172.7 against 186.3 (results 2026-12-06-h100-flat-row-4f04f4c.json).
     """
 
     block_n: int
@@ -117,7 +116,7 @@ def default_config(m: int, n: int, k: int, *, norm: bool = False, gated: bool = 
     cfg = tiling(m, n, k, norm=norm, gated=gated, gated_output=gated_output)
     if n * k * 2 > EARLY_TILE_MAX_BYTES:
         return cfg
-    return attrs.evolve(cfg, early_tile=cfg.early_tile or not gated_output, flat_row=True)
+    return attrs.evolve(cfg, early_tile=not gated_output, flat_row=True)
 
 
 def tiling(m: int, n: int, k: int, *, norm: bool = False, gated: bool = False,
