@@ -68,6 +68,7 @@ def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str 
         for _ in range(steps):
             decode()
         torch.cuda.synchronize()
+    chain = kernel_chain(prof) if graphs else None
     per_family: dict[str, float] = collections.defaultdict(float)
     per_kernel: dict[str, float] = {}
     count = 0
@@ -88,7 +89,36 @@ def profile(model: str, batch: int, context: int, steps: int = 5, kv_dtype: str 
         "matmul_bandwidth_frac": round(weight_bytes / (matmul_us * 1e-6) / BANDWIDTH, 3) if matmul_us else None,
         "floor_us": round(weight_bytes / BANDWIDTH * 1e6, 1),
         "top_kernels_us": {k: round(v, 1) for k, v in top},
+        **({"chain": chain} if chain else {}),
     }
+
+
+def kernel_chain(prof) -> dict:
+    """Each kernel's cost inside a replayed chain: the time from the previous kernel's end to its own end
+    (a PDL chain overlaps starts, so durations overstate; ends do not), and how long it started before the
+    previous one ended; medians by kernel name and grid, in the order of their first appearance."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    by_label: dict[str, list] = {}
+    prev_end = None
+    for e in kernels:
+        end = e["ts"] + e["dur"]
+        grid = e.get("args", {}).get("grid")
+        label = f"{e['name'][:40]} grid={grid}"
+        if prev_end is not None:
+            by_label.setdefault(label, []).append((end - prev_end, prev_end - e["ts"]))
+        prev_end = end
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 2)  # noqa: E731
+    return {label: {"n": len(v), "end_to_end_us": med([a for a, _ in v]), "started_early_us": med([b for _, b in v]),
+                    "total_us": round(sum(a for a, _ in v), 1)}
+            for label, v in by_label.items()}
 
 
 def engine_kv_bytes(model: str) -> int:
