@@ -24,6 +24,7 @@ from spark.engine.engine import Engine
 from spark.engine.kernels import paged_attention as pa, small_linear as sl, launch, moe_gemv
 import attrs
 import spark.engine.models.llama as llama
+from spark.engine import cuda_graphs
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
 mml = int(sys.argv[2]) if len(sys.argv) > 2 else 272
@@ -224,6 +225,9 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
 
     for part in ("router", "router_route", "experts", "router_route_experts"):
         variants[f"skip_{part}"] = {"patch": {(moe_gemv, "moe_one_row_triton"): moe_skipping(part)}, "rows": "one"}
+    real_moe_kernels = moe_gemv._kernels
+    # down's launch alone left out (gate/up still writes the ids and weights it would read)
+    variants["skip_down"] = {"patch": {(moe_gemv, "_kernels"): lambda: (real_moe_kernels()[0], Noop())}, "rows": "one"}
 
     def combo(wqkv, wo, gate_up, down):
         return {"cfg": cfg_for({WQKV: wqkv, WO: wo}),
@@ -326,6 +330,51 @@ for bn, bk, w in ((4, 2048, 4), (8, 2048, 4), (4, 2048, 2), (8, 2048, 8), (16, 2
     variants[f"head_norm:{bn}x{bk}w{w}"] = {"patch": {(llama.LlamaModel, "compute_logits"): head_logits(cfg, True),
                                                       (llama.RMSNorm, "forward"): final_norm_in_head},
                                              "rows": "one"}
+
+# PDL's trigger ahead of the wait (the kernel after may launch, and load what is no kernel's output,
+# while this one still waits): the router's and the split-KV reduce's (the defaults), each off, and
+# wqkv's and wo's on; wo's weight loaded before its wait.
+def evolved(by_shape):
+    """default_config with fields of the launches of `by_shape` ({(n, k): {field: value}}) at the batch timed."""
+    def f(m, n, k, **kw):
+        cfg = real_cfg(m, n, k, **kw)
+        return attrs.evolve(cfg, **by_shape[(n, k)]) if m == batch and (n, k) in by_shape else cfg
+    return f
+
+
+def triggers(first=(), last=(), wo_early=False):
+    shapes = {shape: {"trigger_first": True} for name, shape in (("wqkv", WQKV), ("wo", WO)) if name in first}
+    if wo_early:
+        shapes.setdefault(WO, {})["early_tile"] = True
+    patch = {}
+    if "reduce" in first + last:
+        patch[(pa, "REDUCE_TRIGGER_FIRST")] = "reduce" in first
+    if "router" in first + last:
+        patch[(moe_gemv, "ROUTER_CONFIG")] = dict(moe_gemv.ROUTER_CONFIG, trigger_first="router" in first)
+    return {"cfg": evolved(shapes), "patch": patch, "rows": "one"}
+
+
+variants["last:router"] = triggers(last=("router",))
+variants["last:reduce"] = triggers(last=("reduce",))
+variants["last:router+reduce"] = triggers(last=("router", "reduce"))
+variants["first:wqkv"] = triggers(first=("wqkv",))
+variants["first:wo"] = triggers(first=("wo",))
+variants["wo_early"] = triggers(wo_early=True)
+
+
+def chunked_argmax(x):
+    """The sampler's greedy argmax before kernels/argmax.py: the first maximum of 64 equal slices, then
+    of the slices' maxima (four torch launches)."""
+    B, V = x.shape
+    chunks = next(c for c in range(64, 0, -1) if V % c == 0)
+    if chunks == 1 or B > 16:
+        return x.argmax(dim=-1)
+    best, index = x.reshape(B, chunks, V // chunks).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (index.gather(1, chunk) + chunk * (V // chunks)).squeeze(1)
+
+
+variants["chunked_argmax"] = {"patch": {(cuda_graphs, "greedy_tokens"): chunked_argmax}}
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}

@@ -124,7 +124,7 @@ for name in "$@"; do
         moe-sweep) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,wqkv:2x1024w1,wqkv:4x2048w1,wqkv:8x1024w1,wqkv:4x1024w1e,wo:1x4096w2,wo:2x4096w1,wo:4x4096w2,wo:2x4096w2e,gate_up:2x2048w1,gate_up:8x2048w1,gate_up:2x1024w1,down:1x1024w2,down:1x1024w8,down:2x1024w4,down:2x1024w2,router:1w2e,router:4w2e,router:2w4e,base2 ;;
         moe-parts) step "$name" 150 python decode_ablation.py qwen3-30b-a3b 272 1 \
-            base,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_attention,skip_wqkv,skip_wo,base2 ;;
+            base,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_down,skip_attention,skip_wqkv,skip_wo,base2 ;;
         # the vocabulary head at batch 1 in small_linear's kernel (alone, and with the final norm in its prologue)
         head) for preset in qwen3-30b-a3b llama-3.1-8b; do
                 step "$name-$preset" 150 python decode_ablation.py $preset 272 1 base,head:4x2048w4,head:8x2048w4,head:4x2048w2,head:8x2048w8,head:16x2048w4,head:8x1024w2,head_norm:4x2048w4,head_norm:8x2048w4,head_norm:4x2048w2,head_norm:8x2048w8,base2
@@ -144,6 +144,13 @@ for name in "$@"; do
         down-shapes) step "$name" 90 python decode_ablation.py qwen3-30b-a3b 272 1 \
                 base,down:1x1024w1,down:2x1024w4,down:2x1024w8,down:4x1024w4,down:4x1024w8,base2 ;;
         rows-moe-wide) step "$name" 60 python decode_ablation.py qwen3-30b-a3b 40960 8 base,base2 ;;
+        # PDL's trigger ahead of the wait (the router's and the reduce's, on by default), the greedy argmax
+        # before kernels/argmax.py, and the kernel chain's end-to-end costs (profile_decode --graphs)
+        pdl-first) step "$name-moe" 150 python decode_ablation.py qwen3-30b-a3b 272 1 \
+                base,last:router,last:reduce,last:router+reduce,chunked_argmax,first:wqkv,first:wo,wo_early,base2
+            step "$name-8b" 120 python decode_ablation.py llama-3.1-8b 272 1 base,chunked_argmax,last:reduce,base2 ;;
+        chain) step "$name" 120 python profile_decode.py --model dummy:qwen3-30b-a3b --batch 1 --context 192 --graphs \
+                --out "$OUT/chain.json" ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from spark.engine.kernels import argmax
 from spark.engine.sampling import SamplingParams
 from spark.engine.transfer import to_device, upload
 
@@ -203,26 +204,13 @@ class Prepared:
 def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of ``[B, V]`` scores: the first index of each row's maximum.
 
-    On a GPU, a few rows are scanned in chunks by many blocks: torch's argmax gives each
-    row a single block, which took 28 us over Llama 3's 128k vocabulary on an H200,
+    On a GPU, a few rows take the two-pass Triton argmax (kernels/argmax.py): torch's argmax
+    gives each row a single block, which took 28 us over Llama 3's 128k vocabulary on an H200,
     0.6% of a batch-1 step of the 8B model.
     """
-    B, V = x.shape
-    chunks = next(c for c in range(64, 0, -1) if V % c == 0)
-    if not x.is_cuda or B > 16 or chunks == 1:
-        return x.argmax(dim=-1)
-    return chunked_argmax(x, chunks)
-
-
-def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``x.argmax(-1)`` in two passes: the first maximum of each of ``chunks`` equal
-    slices of a row, then the first slice holding the row's maximum (NaN counts as the
-    maximum, as in ``torch.argmax``). ``chunks`` must divide the row length."""
-    B, V = x.shape
-    width = V // chunks
-    best, index = x.reshape(B, chunks, width).max(dim=-1)  # [B, chunks]
-    chunk = best.argmax(dim=-1, keepdim=True)  # [B, 1]
-    return (index.gather(1, chunk) + chunk * width).squeeze(1)
+    if x.is_cuda and x.shape[0] <= argmax.MAX_ROWS and x.stride(1) == 1:
+        return argmax.argmax_triton(x)
+    return x.argmax(dim=-1)
 
 
 def verified(samples: Sequence[int], draft: Sequence[int]) -> int:

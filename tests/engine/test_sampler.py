@@ -368,13 +368,3 @@ def test_sampled_frequencies_match_the_distribution(params, vary):
     support = [(c, p) for c, p in zip(counts, probs) if p > 0.0]
     stat = sum((c - n * p) ** 2 / (n * p) for c, p in support)
     assert stat < chi_square_bound(len(support) - 1), (counts, probs)
-
-
-def test_chunked_argmax_takes_the_first_maximum_like_argmax():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 5, (6, 96), generator=gen).float()  # many ties within and across chunks
-    x[2, 40] = float("nan")  # NaN is the maximum, as in torch.argmax
-    x[3] = 1.0  # one value everywhere: index 0
-    for chunks in (1, 3, 8, 96):
-        assert torch.equal(sampler_module.chunked_argmax(x, chunks), x.argmax(dim=-1))
-    assert sampler_module.chunked_argmax(x, 8)[2] == 40

@@ -42,6 +42,10 @@ EARLY_LOADS = True
 # Over an fp8 cache (GPU): V converted to fp16 where it is loaded, not in the dot's operand layout
 # (key_block.load_block says why). A module flag for A/B runs (attention_bench.py --kv-dtypes).
 FP8_V_EARLY = True
+# The split-KV reduce lets the kernel after it (batch 1: wo) launch before its own wait on the decode
+# kernel returns (PDL's trigger ahead of the wait): wo's programs are then resident while attention
+# runs. A module flag for A/B runs.
+REDUCE_TRIGGER_FIRST = True
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -350,6 +354,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         reduce_kernel[(batch, num_heads)](
             partial_max, partial_sum, partial_out, out, seq_lens, *out.stride(), head_dim, num_splits,
             BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=cfg.block_n, num_warps=reduce_num_warps(block_s, block_d),
+            TRIGGER_FIRST=REDUCE_TRIGGER_FIRST,
             **launch.pdl(reduce_kernel, q),
         )
     return out
@@ -565,12 +570,16 @@ def _kernels():
         partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr, seq_lens_ptr,
         stride_ob, stride_oh, stride_od, head_dim, num_splits,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        TRIGGER_FIRST: tl.constexpr,
     ):
         seq, head = tl.program_id(0), tl.program_id(1)
         used = _partitions_used(seq_lens_ptr, seq, num_splits, BLOCK_N)  # no earlier kernel's output
         if PDL:
+            if TRIGGER_FIRST:  # the next kernel may launch (and wait) before this one's wait returns
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
         splits = tl.arange(0, BLOCK_S)
         dims = tl.arange(0, BLOCK_D)
         split_ok = splits < used

@@ -86,6 +86,10 @@ class Config:
         graphed batch-1 steps on an H100 (decode_ablation.py), SmolLM2-135M 2048 tok/s against
         1871, Qwen3-30B-A3B and Llama-3.1-8B tied; every one-row launch flat, Llama-3.1-8B
         172.7 against 186.3 (results 2026-12-06-h100-flat-row-4f04f4c.json).
+      trigger_first: let the next kernel launch before this one's wait on the kernel before returns
+        (PDL's trigger ahead of the wait), so that its programs are resident, and their launch
+        paid, while this kernel still waits: the MoE router's launch (``moe_gemv.ROUTER_CONFIG``),
+        a short kernel between two long streams.
     """
 
     block_n: int
@@ -97,6 +101,7 @@ class Config:
     early_tile: bool = False
     split_k: int = 1
     flat_row: bool = False
+    trigger_first: bool = False
 
 
 # One-row weights below this size take the short-stream launch shapes of `tiling` (Llama-3.1-8B's
@@ -388,6 +393,7 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
+        TRIGGER_FIRST=cfg.trigger_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -466,7 +472,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
-        FLAT_ROW: tl.constexpr,
+        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -484,8 +490,11 @@ def _kernel():
             # wait, in flight while the previous kernel drains (see `Config.early_tile`).
             w_first = _load_weight(w_rows, ks, K, EVEN_K)
         if PDL:  # x and the residual come from earlier kernels
+            if TRIGGER_FIRST:  # the next kernel may launch (and wait) before this one's wait returns
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn

@@ -1,0 +1,90 @@
+"""A few rows' argmax over the vocabulary (greedy decoding's token), reference and Triton.
+
+``torch.argmax`` gives a row one block: a batch-1 step's 152k scores took 28 us of an H200
+that way. The sampler's torch fallback (``sampler.chunked_argmax``: a max over equal slices,
+an argmax of the slices' maxima, a gather) is four launches, which inside a graphed Qwen3-30B-A3B
+step on an H100 took 27 us from the head's end to the token (benchmarks/profile_decode.py
+``--graphs``, the kernel chain). Here: two launches. Each program of the first takes the first
+maximum of ``BLOCK`` scores; the second, one program a row, takes the first maximum of those.
+
+The maximum is taken on integer keys of the scores (a float's bits made to order as ints), so
+that NaN ranks above everything, as in ``torch.argmax``, and the first index wins a tie: the
+same index as ``torch.argmax``, which takes -0.0 and +0.0 as equal (the keys do too: -0.0 is
+made +0.0 first).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+triton = None  # bound by _kernels() on first use: TRITON_INTERPRET is read when @triton.jit runs
+tl = None
+_key = None  # the scores' integer keys, bound by _kernels() for the kernels below
+
+# Scores a first-pass program scans: Qwen3's 151936 make 75 programs, Llama 3's 128256 make 63.
+BLOCK = 2048
+MAX_ROWS = 16  # rows up to which the two passes beat torch's one block a row (a decode batch's)
+
+
+def argmax_reference(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of ``[B, V]`` scores: the first index of each row's maximum, NaN the largest."""
+    return x.argmax(dim=-1)
+
+
+def argmax_triton(x: torch.Tensor) -> torch.Tensor:
+    """``argmax_reference`` in two launches: int64 ``[B]``. Any float dtype, rows any stride."""
+    rows, width = x.shape
+    assert x.stride(1) == 1 and width < 2**31
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    partial_kernel, final_kernel = _kernels()
+    parts = triton.cdiv(width, BLOCK)
+    keys = torch.empty(rows, parts, dtype=torch.int32, device=x.device)
+    index = torch.empty(rows, parts, dtype=torch.int32, device=x.device)
+    partial_kernel[(rows, parts)](x, keys, index, x.stride(0), width, parts, BLOCK=BLOCK, num_warps=4)
+    final_kernel[(rows,)](keys, index, out, parts, BLOCK_P=triton.next_power_of_2(parts), num_warps=1)
+    return out
+
+
+@functools.cache
+def _kernels():
+    """(first-pass kernel, final kernel), JIT-ed at first use."""
+    global triton, tl, _key
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def key(scores):
+        """int32 keys ordered as the fp32 ``scores`` are, NaN above +inf, -0.0 equal to +0.0."""
+        bits = (scores + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes +0.0
+        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a negative float's magnitude bits flipped: ints' order
+        return tl.where(scores != scores, 0x7FFFFFFF, bits)
+
+    _key = key
+
+    @triton.jit
+    def argmax_partial_kernel(x_ptr, keys_ptr, index_ptr, stride_x, width, parts, BLOCK: tl.constexpr):
+        # The largest key of BLOCK scores of a row and the first index holding it.
+        row, part = tl.program_id(0), tl.program_id(1)
+        cols = part * BLOCK + tl.arange(0, BLOCK)
+        scores = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < width, other=float("-inf"))
+        keys = _key(scores.to(tl.float32))
+        best = tl.max(keys, axis=0)
+        first = tl.min(tl.where(keys == best, cols, width), axis=0)  # padding's -inf never beats a real score
+        tl.store(keys_ptr + row * parts + part, best)
+        tl.store(index_ptr + row * parts + part, first)
+
+    @triton.jit
+    def argmax_final_kernel(keys_ptr, index_ptr, out_ptr, parts, BLOCK_P: tl.constexpr):
+        # The largest of a row's partial keys; among equal ones the lowest index (the blocks are in order).
+        row = tl.program_id(0)
+        p = tl.arange(0, BLOCK_P)
+        keys = tl.load(keys_ptr + row * parts + p, mask=p < parts, other=-2147483648)
+        index = tl.load(index_ptr + row * parts + p, mask=p < parts, other=2147483647)
+        best = tl.max(keys, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(keys == best, index, 2147483647), axis=0).to(tl.int64))
+
+    return argmax_partial_kernel, argmax_final_kernel
