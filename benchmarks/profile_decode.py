@@ -8,7 +8,9 @@ profiles 5 eager decode steps (no CUDA graph, so every kernel is seen by name), 
 ``--graphs`` 5 replays of the decode graphs a server captures (the path it really takes at
 batch 1: the one-row blocks; CUPTI still names each kernel of a replay).
 For each batch: kernel time per step by kernel family, and the bandwidth the
-big matmuls reach (weight bytes / their time) against 4.25 TB/s.
+big matmuls reach (weight bytes / their time) against 4.25 TB/s. With ``--graphs``, also the
+chain: each kernel's end-to-end cost in the replay (previous kernel's end to its own; under
+PDL a kernel starts early, so its duration overstates what it costs) by name and grid.
 """
 
 from __future__ import annotations
