@@ -56,10 +56,11 @@ EMPTY_BODY_ALLOWED = {"responses.create_conversation", "inference_admin.down"}  
 BODY_METHODS = ("POST", "PUT", "PATCH")
 _AUTOMATIC = {"HEAD", "OPTIONS"}  # every route answers these; they are not operations of their own
 
+_INCLUDE = {"include[]": {"enum": sorted(INCLUDABLE)}}  # repeatable, as the SDKs send it; checked
 _PAGE = {"after": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
-         "order": {"enum": ["asc", "desc"], "default": "desc"},
-         "include[]": {"enum": sorted(INCLUDABLE)}}  # repeatable, as the SDKs send it; checked, adds nothing
+         "order": {"enum": ["asc", "desc"], "default": "desc"}, **_INCLUDE}  # a list's include adds nothing
 QUERIES: dict[str, dict[str, dict]] = {  # the query strings the views read (request.args)
+    "responses.get_response": _INCLUDE,  # message.output_text.logprobs: the stored logprobs shown
     "responses.list_input_items": _PAGE,
     "responses.list_conversation_items": _PAGE,
     "inference_admin.logs": {"n": {"type": "integer", "minimum": 1, "default": 50}},

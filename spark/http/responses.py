@@ -41,7 +41,7 @@ from spark.http.gateway import generates
 from spark.http.params import logprobs_k, sampling_params, single_job
 from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
                                        ResponsesRequest, chat_messages, chat_tools, check_include, check_metadata,
-                                       check_new_items, input_items, new_id, reasoning_text, usage)
+                                       OUTPUT_TEXT_LOGPROBS, check_new_items, input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps
@@ -323,10 +323,27 @@ def _public(response: dict) -> dict:
 
 @bp.get("/v1/responses/<rid>")
 async def get_response(rid: str):
+    include = _include_args()
     response = await (await _store()).get_response(_owner(), rid)
     if response is None:
         raise _not_found("response", rid)
+    if OUTPUT_TEXT_LOGPROBS not in include:  # stored with the text; shown where asked for, as OpenAI's
+        response["output"] = [_without_logprobs(item) for item in response.get("output", [])]
     return response
+
+
+def _without_logprobs(item: dict) -> dict:
+    if item.get("type") != "message":
+        return item
+    return {**item, "content": [{**part, "logprobs": []} if "logprobs" in part else part
+                                for part in item.get("content", [])]}
+
+
+def _include_args() -> list[str]:
+    """A GET's ``include`` values (the SDK sends ``include[]``), checked as a create's."""
+    include = request.args.getlist("include[]") + request.args.getlist("include")
+    check_include(include)
+    return include
 
 
 @bp.delete("/v1/responses/<rid>")
@@ -351,8 +368,8 @@ async def list_input_items(rid: str):
 def _page_args() -> tuple[str | None, int, str]:
     """A list's ``after``, ``limit`` and ``order``; its ``include`` values (the SDK sends ``include[]``) are
     checked as a create's: what they name is stored with the items already."""
+    _include_args()
     args = request.args
-    check_include(args.getlist("include[]") + args.getlist("include"))
     order = args.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order")

@@ -416,7 +416,13 @@ def test_logprobs_are_computed_only_when_included(client, engine):
     assert engine.params[-1].logprobs == 1
     logprobs = r.output[0].content[0].logprobs
     assert "".join(lp.token for lp in logprobs) == r.output_text == REPLIES["[hello]"]
-    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == logprobs  # stored with the text
+    # stored with the text, and shown by a retrieve that includes them, as a create's include does
+    assert client.responses.retrieve(r.id, include=["message.output_text.logprobs"]).output[0].content[0].logprobs \
+        == logprobs
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == []
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    bad = _refused(lambda: client.responses.retrieve(r.id, include=["message.output_text.logprob"]))
+    assert bad.body["param"] == "include[0]"
     plain = client.responses.create(model="replay", input="Hi [hello]", top_logprobs=5)
     assert engine.params[-1].logprobs is None and plain.output[0].content[0].logprobs == []
     # the other values OpenAI defines name items Spark never makes: accepted, they add nothing
