@@ -16,6 +16,9 @@ import os
 
 import torch
 
+triton = None  # bound by jit_wait_for_previous() on first use: TRITON_INTERPRET is read when @triton.jit runs
+tl = None
+
 
 # These run at every launch, several times a layer of an eager step, where each microsecond of
 # Python is host time the GPU may wait on: what they ask is looked up once.
@@ -47,9 +50,35 @@ def pdl(kernel, x: torch.Tensor) -> dict:
     """Launch arguments for a kernel that takes a ``PDL`` constexpr: ``PDL=True`` and
     ``launch_pdl=True`` on a Hopper GPU, ``PDL=False`` elsewhere (the interpreter too).
 
-    A kernel with ``PDL`` set must call `wait_for_previous` before its first load of
-    anything an earlier kernel wrote, and before its first store.
+    A kernel with ``PDL`` set must wait on the kernel before (``gdc_wait``; ``jit_wait_for_previous``
+    where the trigger may come first) before its first load of anything an earlier kernel wrote,
+    and before its first store.
     """
     # get_device(): a CUDA tensor's index, without building a torch.device.
     on = x.is_cuda and not interpreting(kernel) and _pdl_device(x.get_device())
     return _PDL_ON if on else _PDL_OFF
+
+
+@functools.cache
+def jit_wait_for_previous():
+    """The @triton.jit ``wait_for_previous(TRIGGER_FIRST)``, JIT-ed once, for the kernels of the decode chain.
+
+    It waits on the kernel before (PDL's ``griddepcontrol.wait``: that kernel done, its writes
+    visible) and lets the kernel after launch, after the wait or, with ``TRIGGER_FIRST``, ahead of it:
+    the next kernel's programs are then resident, their launch paid, while this one still waits (a
+    short kernel between two long ones: ``small_linear.Config.trigger_first``, the split-KV reduce).
+    """
+    global triton, tl
+    import triton
+    import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda)
+
+    @triton.jit
+    def wait_for_previous(TRIGGER_FIRST: tl.constexpr):
+        if TRIGGER_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        if not TRIGGER_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    return wait_for_previous

@@ -35,6 +35,7 @@ _load_block = _attend_block = None  # key_block's two halves of a step, for the 
 _partition = _partitions_used = None  # the keys of one split-KV program; how many programs hold keys
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
+_wait_for_previous = None  # launch's PDL wait, for the reduce
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
@@ -383,7 +384,9 @@ def _kernels():
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _partitions_used, _quantize, _head_norm
+    global _wait_for_previous
     _quantize = fp8.jit_quantize()
+    _wait_for_previous = launch.jit_wait_for_previous()
     _head_norm = norm.jit_head_norm()
     _attend_keys = key_block.attend_keys()
     _load_block, _attend_block = key_block.steps()
@@ -575,11 +578,7 @@ def _kernels():
         seq, head = tl.program_id(0), tl.program_id(1)
         used = _partitions_used(seq_lens_ptr, seq, num_splits, BLOCK_N)  # no earlier kernel's output
         if PDL:
-            if TRIGGER_FIRST:  # the next kernel may launch (and wait) before this one's wait returns
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if not TRIGGER_FIRST:
-                tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_previous(TRIGGER_FIRST)
         splits = tl.arange(0, BLOCK_S)
         dims = tl.arange(0, BLOCK_D)
         split_ok = splits < used

@@ -48,6 +48,7 @@ triton = None
 tl = None
 _silu_mul = None  # activation's SwiGLU gate, bound by `_kernel()`: the same bits as the unfused kernel
 _load_weight = _activation_tile = _product = None  # the kernel's steps, bound by `_kernel()` for it to call
+_wait_for_previous = None  # launch's PDL wait, bound by `_kernel()` likewise
 
 MAX_ROWS = 64
 MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
@@ -402,12 +403,13 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
-    global triton, tl, _silu_mul
+    global triton, tl, _silu_mul, _wait_for_previous
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     _silu_mul = activation.jit_silu_mul()
+    _wait_for_previous = launch.jit_wait_for_previous()
 
     @triton.jit
     def load_weight(w_rows, k, K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -490,11 +492,7 @@ def _kernel():
             # wait, in flight while the previous kernel drains (see `Config.early_tile`).
             w_first = _load_weight(w_rows, ks, K, EVEN_K)
         if PDL:  # x and the residual come from earlier kernels
-            if TRIGGER_FIRST:  # the next kernel may launch (and wait) before this one's wait returns
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if not TRIGGER_FIRST:
-                tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_previous(TRIGGER_FIRST)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn
