@@ -39,9 +39,9 @@ from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import logprobs_k, sampling_params, single_job
-from spark.http.response_items import (ConversationRequest, ConversationUpdate, ItemsRequest, OutputBuilder,
-                                       ResponsesRequest, chat_messages, chat_tools, check_include, check_metadata,
-                                       OUTPUT_TEXT_LOGPROBS, check_new_items, input_items, new_id, reasoning_text, usage)
+from spark.http.response_items import (OUTPUT_TEXT_LOGPROBS, ConversationRequest, ConversationUpdate, ItemsRequest,
+                                       OutputBuilder, ResponsesRequest, chat_messages, chat_tools, check_include,
+                                       check_metadata, check_new_items, input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps

@@ -1,10 +1,10 @@
 """A few rows' argmax over the vocabulary (greedy decoding's token), reference and Triton.
 
 ``torch.argmax`` gives a row one block: a batch-1 step's 152k scores took 28 us of an H200
-that way. The sampler's torch fallback (``sampler.chunked_argmax``: a max over equal slices,
-an argmax of the slices' maxima, a gather) is four launches, which inside a graphed Qwen3-30B-A3B
-step on an H100 took 27 us from the head's end to the token (benchmarks/profile_decode.py
-``--graphs``, the kernel chain). Here: two launches. Each program of the first takes the first
+that way. The sampler's torch path before this one (a max over equal slices, an argmax of the
+slices' maxima, a gather; decode_ablation.py's ``chunked_argmax`` keeps it) was four launches,
+which inside a graphed Qwen3-30B-A3B step on an H100 took 27 us from the head's end to the token
+(benchmarks/profile_decode.py ``--graphs``, the kernel chain). Here: two launches. Each program of the first takes the first
 maximum of ``BLOCK`` scores; the second, one program a row, takes the first maximum of those.
 
 The maximum is taken on integer keys of the scores (a float's bits made to order as ints), so

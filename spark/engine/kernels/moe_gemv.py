@@ -133,7 +133,8 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
 # against 448.4 (Qwen3-30B-A3B batch 1, decode_ablation.py); on an H100 it did not win (2f08a28's sweep).
 # Not yet measured against small_linear's default for the shape (8 rows x 1024 columns, 16 programs).
 # Its trigger comes first (``Config.trigger_first``): gate/up's programs launch while the router waits
-# on wo. On an H100, 0.31 us a layer (decode_ablation first:router, results 2026-12-06-h100-pdl-first.json).
+# on wo. On an H100, 371.2 tok/s against 369.1 with it after the wait (decode_ablation last:router,
+# results 2026-12-06-h100-argmax-triggers-4ece645.json).
 ROUTER_CONFIG = dict(block_n=4, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True, flat_row=True,
                      trigger_first=True)
 
