@@ -362,16 +362,18 @@ variants["first:wo"] = triggers(first=("wo",))
 variants["wo_early"] = triggers(wo_early=True)
 
 
-def chunked_argmax(x):
-    """The sampler's greedy argmax before kernels/argmax.py: the first maximum of 64 equal slices, then
-    of the slices' maxima (four torch launches)."""
+def chunked_argmax(x, into):
+    """The graphs' greedy argmax before kernels/argmax.py: the first maximum of 64 equal slices, then
+    of the slices' maxima (four torch launches), and the ring's ``index_copy_``."""
     B, V = x.shape
     chunks = next(c for c in range(64, 0, -1) if V % c == 0)
     if chunks == 1 or B > 16:
-        return x.argmax(dim=-1)
-    best, index = x.reshape(B, chunks, V // chunks).max(dim=-1)
-    chunk = best.argmax(dim=-1, keepdim=True)
-    return (index.gather(1, chunk) + chunk * (V // chunks)).squeeze(1)
+        tokens = x.argmax(dim=-1)
+    else:
+        best, index = x.reshape(B, chunks, V // chunks).max(dim=-1)
+        chunk = best.argmax(dim=-1, keepdim=True)
+        tokens = (index.gather(1, chunk) + chunk * (V // chunks)).squeeze(1)
+    return into[0].view(-1).index_copy_(0, into[1], tokens)
 
 
 variants["chunked_argmax"] = {"patch": {(cuda_graphs, "greedy_tokens"): chunked_argmax}}

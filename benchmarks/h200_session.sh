@@ -151,6 +151,14 @@ for name in "$@"; do
             step "$name-8b" 120 python decode_ablation.py llama-3.1-8b 272 1 base,chunked_argmax,last:reduce,base2 ;;
         chain) step "$name" 120 python profile_decode.py --model dummy:qwen3-30b-a3b --batch 1 --context 192 --graphs \
                 --out "$OUT/chain.json" ;;
+        # the H200's own sweep of the one-row MoE block's knobs at the tree measured (its balance of latency
+        # against bandwidth differs from the H100's, where most defaults were chosen)
+        h200-knobs) step "$name" 240 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,first:wo,first:wqkv,wqkv:4x1024w1e,wo:2x4096w2e,router:2w2e,gate_up:8x2048w1,gate_up:2x2048w1,down:1x1024w2,last:router,last:reduce,base2 ;;
+        # a graphed decode's greedy tokens (ring, unpacking, embedding under PDL) against the eager engine's,
+        # and against another tree's (GRAPH_TOKENS_AGAINST: its graph-tokens.json)
+        graph-tokens) step "$name" 240 python ../scripts/gpu_graph_tokens_check.py --out "$OUT/graph-tokens.json" \
+                ${GRAPH_TOKENS_AGAINST:+--against "$GRAPH_TOKENS_AGAINST"} ;;
         moe-b1) step "$name" 240 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json" ;;
         moe-ablate3) step "$name" 300 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,before_small_weights,wqkv:8x1024w1,wqkv:4x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1,down:4x1024w1,down:8x1024w1,down:1x1024w1,down:1x1024w4,base2 ;;

@@ -141,7 +141,7 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden)
         # Every step's argmax, wanted or not: a few microseconds of the GPU, against a
         # sampler's launches from the host for the plain greedy batches that use it.
-        self.ring.view(-1).index_copy_(0, self._ring_index[:b], greedy_tokens(logits))
+        greedy_tokens(logits, into=(self.ring, self._ring_index[:b]))
         return logits
 
     def _stage_padding(self, b: int) -> None:

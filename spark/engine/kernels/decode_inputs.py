@@ -19,6 +19,9 @@ A feed is a token that a launched step is still sampling: the id exists only on 
 device. The ring holds the greedy tokens of the last few graph steps, so a step right
 behind another takes its ids without any host launch; tokens from elsewhere (the
 general sampler) are copied into ``fed`` by the host first.
+
+The kernel takes PDL with its trigger first: the embedding lookup after it (kernels/embedding.py)
+launches at once and waits there for the ids.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ import functools
 
 import torch
 
+from spark.engine.kernels import launch
+
 # Bound by `_kernel()` on first use, never at import (see activation.py).
 triton = None
 tl = None
+_wait_for_previous = None  # launch's PDL wait, bound by `_kernel()` for the kernel
 
 HEADER = 2  # width, ring row
 FEED_AS_SENT, FEED_FROM_FED = -1, -2
@@ -68,14 +74,17 @@ def unpack_decode_inputs_triton(staged, bucket, ring, fed, input_ids, positions,
     kernel[(bucket,)](
         staged, ring, fed, input_ids, positions, slot_mapping, seq_lens, block_tables, ring_index,
         block_tables.stride(0), ring.shape[1], bucket, BLOCK=128, FROM_FED=FEED_FROM_FED,
+        **launch.pdl(kernel, staged),
     )
 
 
 @functools.cache
 def _kernel():
-    global triton, tl
+    global triton, tl, _wait_for_previous
     import triton
     import triton.language as tl
+
+    _wait_for_previous = launch.jit_wait_for_previous()
 
     # One compile for every bucket and engine: Triton would otherwise specialise the ints
     # (== 1, multiples of 16) and compile several variants while graphs are captured, which
@@ -83,9 +92,11 @@ def _kernel():
     @triton.jit(do_not_specialize=["table_stride", "ring_width", "bucket"])
     def unpack_decode_inputs_kernel(
         staged, ring, fed, input_ids, positions, slot_mapping, seq_lens, block_tables, ring_index,
-        table_stride, ring_width, bucket, BLOCK: tl.constexpr, FROM_FED: tl.constexpr,
+        table_stride, ring_width, bucket, BLOCK: tl.constexpr, FROM_FED: tl.constexpr, PDL: tl.constexpr,
     ):
         row = tl.program_id(0)
+        if PDL:  # the ring holds an earlier kernel's tokens
+            _wait_for_previous(True)
         width = tl.load(staged)
         ring_row = tl.load(staged + 1)
         rows = staged + 2 + row

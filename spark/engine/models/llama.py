@@ -224,6 +224,8 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the first block's input [T, D]."""
+        if self.tp.world_size == 1 and type(self.tok_embeddings) is nn.Embedding:  # not a packed one (quantized.py)
+            return self.ops.embed(input_ids, self.tok_embeddings.weight)
         return self.tp.embed(self.tok_embeddings, input_ids, self.config.vocab_size)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

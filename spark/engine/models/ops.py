@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
-from spark.engine.kernels import activation, fp8, fused_moe, moe_gemv, moe_routing, norm, small_linear
+from spark.engine.kernels import activation, embedding, fp8, fused_moe, moe_gemv, moe_routing, norm, small_linear
 from spark.engine.kv_cache import pages_and_scale
 
 if TYPE_CHECKING:
@@ -43,6 +43,9 @@ class Ops(Protocol):
     fuses_one_row: bool  # has ``block_one_row``: the dense block for a one-token step
     fuses_moe_one_row: bool  # ``block_one_row`` takes an MoE block too
     fuses_qk_norm: bool  # ``attend`` takes ``qk_norm=(q weight, k weight, eps)``: Qwen3's per-head norms, inside
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The rows [T, D] of ``weight`` [V, D] (a plain embedding's) at ``ids`` [T]."""
 
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Rope: ...
 
@@ -102,6 +105,7 @@ class TorchOps:
     fuses_one_row = False
     fuses_moe_one_row = False
     fuses_qk_norm = False
+    embed = staticmethod(embedding.embedding_reference)
     rope = staticmethod(_rope_cos_sin)
     rms_norm = staticmethod(norm.rms_norm_reference)
     add_rms_norm = staticmethod(norm.add_rms_norm_reference)
@@ -184,6 +188,7 @@ class TritonOps:
     fuses_one_row = True
     fuses_moe_one_row = True  # block_one_row takes an MoE block too
     fuses_qk_norm = True  # in the decode launch (rope_attend_triton)
+    embed = staticmethod(embedding.embedding_triton)
     rope = staticmethod(_rope_positions)
     rms_norm = staticmethod(norm.rms_norm_triton)
     add_rms_norm = staticmethod(norm.add_rms_norm_triton)

@@ -35,3 +35,23 @@ def test_argmax_of_strided_rows_and_no_rows():
     x = torch.randn(4, 2 * 3000).view(4, 2, 3000)[:, 1]  # rows 6000 apart
     assert torch.equal(argmax.argmax_triton(x), x.argmax(dim=-1))
     assert argmax.argmax_triton(torch.empty(0, 10)).shape == (0,)
+
+
+def test_argmax_writes_each_row_where_its_index_says():
+    # The CUDA graphs' ring: row r's token at table.flat[indices[r]], the rest of the table untouched.
+    x = torch.randn(3, 2 * argmax.BLOCK + 9, generator=torch.Generator().manual_seed(5))
+    table = torch.full((4, 3), -7, dtype=torch.int64)
+    indices = torch.tensor([8, 6, 7])  # ring row 2, its columns out of order
+    assert argmax.argmax_triton(x, table, indices) is table
+    want = torch.full((4, 3), -7, dtype=torch.int64)
+    want.view(-1)[indices] = x.argmax(dim=-1)
+    assert torch.equal(table, want)
+
+
+def test_greedy_tokens_into_a_table_off_the_triton_path():
+    from spark.engine.sampler import greedy_tokens
+
+    x = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))  # a CPU tensor: torch's argmax
+    table = torch.zeros(2, 2, dtype=torch.int64)
+    assert greedy_tokens(x, into=(table, torch.tensor([3, 2]))) is table
+    assert table.view(-1).tolist() == [0, 0, *x.argmax(dim=-1).tolist()[::-1]]
