@@ -101,9 +101,11 @@ def decode_once(engine, batch: int, prompt: int, new: int, seed: int) -> tuple[f
     t0 = time.perf_counter()
     tokens, launched, steps = 0, 0, 0
     live = list(ids)
-    while live or launched:
-        # Step N+1 is launched before step N's tokens are read back, as the server does.
-        if live and launched < 2:
+    while launched or (live and steps < new - 1):
+        # Step N+1 is launched before step N's tokens are read back, as the server does. Not past the
+        # last token (the prefill gave the first): the engine would drop that step's rows, a launch
+        # that computes nothing, and the ms per step would count it.
+        if live and launched < 2 and steps < new - 1:
             chunks = tuple(Chunk(s, 1, alloc.append(s, engine.num_tokens(s))) for s in live)
             engine.launch(StepPlan(chunks))
             launched, steps = launched + 1, steps + 1
