@@ -16,7 +16,8 @@ Both launches take PDL on Hopper: the first's programs are resident while the he
 and the second's while the first runs. The second can write each row's token where a table of
 flat indices says (``argmax_triton``'s ``out`` and ``out_index``): a graphed decode step's tokens
 go straight into its ring row, where an ``index_copy_`` launch after took 2.5 us of a
-Qwen3-30B-A3B batch-1 step on an H100 (profile_decode.py ``--graphs``).
+Qwen3-30B-A3B batch-1 step on an H100 (profile_decode.py ``--graphs``). In that chain the two
+launches took 2.2 and 1.2 us end to end, 2.1 and 1.7 before, without PDL.
 """
 
 from __future__ import annotations
