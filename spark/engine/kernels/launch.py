@@ -50,9 +50,8 @@ def pdl(kernel, x: torch.Tensor) -> dict:
     """Launch arguments for a kernel that takes a ``PDL`` constexpr: ``PDL=True`` and
     ``launch_pdl=True`` on a Hopper GPU, ``PDL=False`` elsewhere (the interpreter too).
 
-    A kernel with ``PDL`` set must wait on the kernel before (``gdc_wait``; ``jit_wait_for_previous``
-    where the trigger may come first) before its first load of anything an earlier kernel wrote,
-    and before its first store.
+    A kernel with ``PDL`` set must wait on the kernel before (``jit_wait_for_previous``) before its
+    first load of anything an earlier kernel wrote, and before its first store.
     """
     # get_device(): a CUDA tensor's index, without building a torch.device.
     on = x.is_cuda and not interpreting(kernel) and _pdl_device(x.get_device())

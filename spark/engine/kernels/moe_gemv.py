@@ -42,6 +42,7 @@ _silu_mul = None
 # moe_routing's route_token, bound by _kernels() as a module global: Triton looks a jit function's
 # names up in the module that defines it, here for the kernels below.
 _route_token = None
+_wait_for_previous = None  # launch's PDL wait, bound by _kernels() likewise
 
 
 SMALL_EXPERT = 1024  # an expert's intermediate size up to which one token takes ``gemv_config``'s one-warp shapes
@@ -202,13 +203,13 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
 @functools.cache
 def _kernels():
     """(GEMV gate/up kernel, GEMV down kernel), JIT-ed at first use."""
-    global triton, tl, _silu_mul, _route_token
+    global triton, tl, _silu_mul, _route_token, _wait_for_previous
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     _silu_mul = activation.jit_silu_mul()
     _route_token = moe_routing.jit_route_token()
+    _wait_for_previous = launch.jit_wait_for_previous()
 
     @triton.jit
     def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
@@ -226,8 +227,7 @@ def _kernels():
         slot = tl.program_id(0)
         token = (slot // TOP_K).to(tl.int64)
         if PDL:  # x, the logits or the ids come from the kernels before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_previous(False)
         if ROUTE:
             top_w, top_i, expert = _route_token(logits_ptr + token * stride_lt, num_experts, slot % TOP_K, TOP_K,
                                                 K_PAD, E_PAD, RENORMALIZE)
@@ -291,8 +291,7 @@ def _kernels():
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros([BLOCK_N], tl.float32)
         if PDL:  # h, the ids and weights come from the kernels before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_previous(False)
         # Unrolled over the picks. On several warps each pick's reduction crosses them (a barrier)
         # and keeps the next pick's loads behind it (sm_90 PTX); one warp (one token's shape,
         # gemv_config) reduces inside the warp, with no barrier. Every pick's row loaded at once, one

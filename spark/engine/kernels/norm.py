@@ -17,6 +17,7 @@ from spark.engine.kernels import launch
 # that only ever calls the references may not have triton at all.
 triton = None
 tl = None
+_wait_for_previous = None  # launch's PDL wait, bound by `_kernel()` for the kernel
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,10 +147,11 @@ def jit_head_norm():
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
-    global triton, tl
+    global triton, tl, _wait_for_previous
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
+
+    _wait_for_previous = launch.jit_wait_for_previous()
 
     @triton.jit
     def rms_norm_kernel(
@@ -159,8 +161,7 @@ def _kernel():
         HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # the rows come from the kernel before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_previous(False)
         # One program per row, the whole row in registers: the mean square needs every
         # element before any can be written, and D <= 8192 fits (32 fp32 per thread at 8
         # warps), so each element is read once and written once, with no second pass.

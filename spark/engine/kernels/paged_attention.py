@@ -35,7 +35,7 @@ _load_block = _attend_block = None  # key_block's two halves of a step, for the 
 _partition = _partitions_used = None  # the keys of one split-KV program; how many programs hold keys
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
-_wait_for_previous = None  # launch's PDL wait, for the reduce
+_wait_for_previous = None  # launch's PDL wait, for the decode kernel and the reduce
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
@@ -383,7 +383,6 @@ def _kernels():
     global triton, tl
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _partitions_used, _quantize, _head_norm
     global _wait_for_previous
@@ -460,8 +459,7 @@ def _kernels():
             # The positions too: the rotation's cos/sin, libdevice's range-reduced calls, also.
             cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
         if PDL:  # everything below reads what earlier kernels wrote
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_previous(False)
         if not EARLY_LOADS:
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
             if EXIT_EMPTY:
