@@ -309,16 +309,22 @@ def test_a_failed_generation_is_streamed_and_stored_as_failed(server, client, en
     assert failed.status == "failed" and "generation failed" in failed.error.message
 
 
-def test_a_client_that_hangs_up_leaves_a_cancelled_response(server, client):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http, \
-            http.stream("POST", "/v1/responses", json={"model": "replay", "input": "Go [long]", "stream": True,
-                                                      "max_output_tokens": 3000}) as r:
-        created = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
-    rid = created["response"]["id"]
-    assert client.responses.retrieve(rid).status in ("in_progress", "cancelled")  # stored before we heard of it
-    deadline = time.monotonic() + 10
-    while client.responses.retrieve(rid).status != "cancelled" and time.monotonic() < deadline:
-        time.sleep(0.05)
+def test_a_client_that_hangs_up_leaves_a_cancelled_response(server, client, engine):
+    # Paced so the 3000 tokens take 30 s: unpaced, a busy machine replayed them all before the
+    # server heard the hang-up, and the response ended "incomplete" (CI, stop 46).
+    engine.step_seconds = 0.01
+    try:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http, \
+                http.stream("POST", "/v1/responses", json={"model": "replay", "input": "Go [long]", "stream": True,
+                                                          "max_output_tokens": 3000}) as r:
+            created = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+        rid = created["response"]["id"]
+        assert client.responses.retrieve(rid).status in ("in_progress", "cancelled")  # stored before we heard of it
+        deadline = time.monotonic() + 10
+        while client.responses.retrieve(rid).status != "cancelled" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.step_seconds = 0.0
     assert client.responses.retrieve(rid).status == "cancelled"
 
 
