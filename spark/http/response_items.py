@@ -234,6 +234,37 @@ def check_new_items(history: Sequence[dict], items: Sequence[dict], *, param: st
                            param=f"{param}[{i}].call_id")
 
 
+def check_calls_answered(history: Sequence[dict], items: Sequence[dict], *, param: str = "input") -> None:
+    """Refuse a turn that leaves a function call of its model unanswered, as OpenAI refuses it ("No
+    tool output found for function call"): each call since the history's last user-side message, and
+    each call among the new items, needs a function_call_output among the new items. Otherwise the
+    model would read its own call followed by no result, and an agent's lost tool output would go
+    unnoticed. Calls before that message are not judged: a conversation's items may have been
+    deleted since, and the turn that made them was judged then.
+
+    Raises:
+      ApiError: 400 naming the first unanswered call (``input[1]`` when it is a new item).
+    """
+    last_user = max((i for i, item in enumerate(history)
+                     if item.get("type") == "message" and item.get("role") != "assistant"), default=-1)
+    pending = {item["call_id"]: (item.get("name"), None) for item in history[last_user + 1:]
+               if item.get("type") == "function_call"}
+    for item in history[last_user + 1:]:
+        if item.get("type") == "function_call_output":
+            pending.pop(item.get("call_id"), None)
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            pending[item["call_id"]] = (item["name"], i)
+        elif item["type"] == "function_call_output":
+            pending.pop(item["call_id"], None)
+    if pending:
+        call_id, (name, index) = next(iter(pending.items()))
+        made = f"{param}[{index}]" if index is not None else "the history this turn continues"
+        raise ApiError(400, f"no function_call_output answers function call {call_id!r} ({name}, in {made}); "
+                            "send an output for each call before continuing",
+                       param=f"{param}[{index}]" if index is not None else param)
+
+
 def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
     """Stored items (history, then the new input) as OpenAI chat messages, ``instructions`` first.
 

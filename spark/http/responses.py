@@ -40,8 +40,9 @@ from spark.http.fanin import FanIn
 from spark.http.gateway import generates
 from spark.http.params import logprobs_k, sampling_params, single_job
 from spark.http.response_items import (OUTPUT_TEXT_LOGPROBS, ConversationRequest, ConversationUpdate, ItemsRequest,
-                                       OutputBuilder, ResponsesRequest, chat_messages, chat_tools, check_include,
-                                       check_metadata, check_new_items, input_items, new_id, reasoning_text, usage)
+                                       OutputBuilder, ResponsesRequest, chat_messages, chat_tools, check_calls_answered,
+                                       check_include, check_metadata, check_new_items, input_items, new_id,
+                                       reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps
@@ -116,6 +117,7 @@ async def create_response(serving: Serving):
     if not items and not history:
         raise ApiError(400, "input must hold at least one item", param="input")
     check_new_items(history, items)
+    check_calls_answered(history, items)
     enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
     truncation = _truncation(req.truncation)
     turn, stage = await spine.fit_turn(

@@ -408,6 +408,34 @@ def test_items_that_do_not_fit_their_history_are_refused(client, engine):
         client.conversations.items.create("conv_missing", items=[{"type": "message", "role": "user", "content": "a"}])
 
 
+def test_a_turn_that_leaves_a_call_unanswered_is_refused(client, engine):
+    """Each call of the turn being continued, and each call sent, needs its output in the input: a 400
+    naming the call, as OpenAI's "No tool output found"; calls before the last user message are not judged."""
+    first = client.responses.create(model="replay", input="Weather? [call]", tools=[WEATHER])
+    (call,) = first.output
+    prompts = len(engine.prompts)
+    moved_on = _refused(lambda: client.responses.create(model="replay", previous_response_id=first.id,
+                                                        tools=[WEATHER], input="Never mind. [hello]"))
+    assert moved_on.body["param"] == "input" and call.call_id in moved_on.message and "get_weather" in moved_on.message
+    assert len(engine.prompts) == prompts  # refused before anything reached the engine
+    c1 = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    c2 = {**c1, "call_id": "c2"}
+    one_of_two = _refused(lambda: client.responses.create(model="replay", tools=[WEATHER], input=[
+        c1, c2, {"type": "function_call_output", "call_id": "c1", "output": "18C [after-tool]"}]))
+    assert one_of_two.body["param"] == "input[1]" and "'c2'" in one_of_two.message
+    answered = client.responses.create(model="replay", previous_response_id=first.id, tools=[WEATHER], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18C [after-tool]"}])
+    assert answered.output_text == REPLIES["[after-tool]"]
+
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Weather?"}])
+    client.conversations.items.create(conv.id, items=[{**c1, "call_id": "c7"}])  # adding a call alone is fine
+    pending = _refused(lambda: client.responses.create(model="replay", conversation=conv.id, input="[hello]"))
+    assert pending.body["param"] == "input" and "'c7'" in pending.message
+    client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Skip it."}])
+    later = client.responses.create(model="replay", conversation=conv.id, input="[hello]")  # c7 is before a user turn
+    assert later.output_text == REPLIES["[hello]"]
+
+
 def test_lists_check_their_include_values(client):
     r = client.responses.create(model="replay", input="Hi [hello]", conversation=client.conversations.create().id)
     assert len(client.conversations.items.list(r.conversation.id, include=["message.output_text.logprobs"]).data) == 2
