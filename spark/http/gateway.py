@@ -218,6 +218,16 @@ class _LoggedAtEnd(IterableBody):
             _log(self._slot, self._tally, 200, outcome="ok" if exc_type is None else "disconnected")
 
 
+def log_when_done() -> Callable[[str], None]:
+    """Take this request's generation out of the line written when its response ends, for one that
+    goes on after it (a background response): the function returned writes it, given its outcome."""
+    tally, slot = g.get("spark_tally"), current_app.extensions["spark"].slot
+    g.spark_tally = None
+    if tally is None or slot is None:
+        return lambda outcome: None
+    return lambda outcome: _log(slot, tally, 200, outcome=outcome)
+
+
 def _log(slot: Slot, tally: Tally, status: int, *, outcome: str = "ok") -> None:
     record = tally.record(status, outcome=outcome if status < 400 else "failed")
     if log.isEnabledFor(logging.INFO):  # one line per generation, at --log-level INFO

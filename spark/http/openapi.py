@@ -29,8 +29,8 @@ from spark.http.admin import DownRequest, UpRequest
 from spark.http.anthropic import PREFIX as ANTHROPIC_PREFIX
 from spark.http.anthropic import CountTokensRequest, MessagesRequest
 from spark.http.gateway import UPSTREAM_ONLY
-from spark.http.response_items import (INCLUDABLE, ConversationRequest, ConversationUpdate, ItemsRequest,
-                                       ResponsesRequest)
+from spark.http.response_items import (INCLUDABLE, CancelRequest, ConversationRequest, ConversationUpdate,
+                                       ItemsRequest, ResponsesRequest)
 from spark.http.schemas import ChatRequest, CompletionRequest, Prompt
 from spark.http.tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -44,6 +44,7 @@ BODIES: dict[str, type] = {
     "anthropic.count_tokens": CountTokensRequest,
     "responses.create_response": ResponsesRequest,
     "responses.create_conversation": ConversationRequest,
+    "responses.cancel_response": CancelRequest,
     "responses.update_conversation": ConversationUpdate,
     "responses.add_conversation_items": ItemsRequest,
     "inference_admin.up": UpRequest,
@@ -52,7 +53,7 @@ BODIES: dict[str, type] = {
     "tokenize.detokenize": DetokenizeRequest,
     **{endpoint: cls for endpoint, cls in UPSTREAM_ONLY.values()},  # proxied to an upstream recipe
 }
-EMPTY_BODY_ALLOWED = {"responses.create_conversation", "inference_admin.down"}  # read as {}
+EMPTY_BODY_ALLOWED = {"responses.create_conversation", "responses.cancel_response", "inference_admin.down"}  # as {}
 BODY_METHODS = ("POST", "PUT", "PATCH")
 _AUTOMATIC = {"HEAD", "OPTIONS"}  # every route answers these; they are not operations of their own
 
@@ -60,7 +61,10 @@ _INCLUDE = {"include[]": {"enum": sorted(INCLUDABLE)}}  # repeatable, as the SDK
 _PAGE = {"after": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
          "order": {"enum": ["asc", "desc"], "default": "desc"}, **_INCLUDE}  # a list's include adds nothing
 QUERIES: dict[str, dict[str, dict]] = {  # the query strings the views read (request.args)
-    "responses.get_response": _INCLUDE,  # message.output_text.logprobs: the stored logprobs shown
+    "responses.get_response": {**_INCLUDE,  # message.output_text.logprobs: the stored logprobs shown
+                               # a background response's events again, after a sequence number
+                               "stream": {"type": "boolean", "default": False},
+                               "starting_after": {"type": "integer", "default": -1}},
     "responses.list_input_items": _PAGE,
     "responses.list_conversation_items": _PAGE,
     "inference_admin.logs": {"n": {"type": "integer", "minimum": 1, "default": 50}},

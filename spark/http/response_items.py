@@ -49,6 +49,12 @@ class ResponsesRequest:
     top_logprobs: int | None = None  # alternatives per token, with OUTPUT_TEXT_LOGPROBS included
     speculative: bool | None = None  # Spark's own (extra_body), as on chat completions
     tbt_ms: float | None = None  # Spark's own (extra_body): this stream's time-between-tokens target for SLAI
+    background: bool | None = None  # answer at once and generate on (spark.http.background)
+
+
+@attrs.frozen(kw_only=True)
+class CancelRequest:
+    """``POST /v1/responses/{id}/cancel``: no fields (the SDK sends no body; an object is read and ignored)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -2,6 +2,8 @@
 
     POST   /v1/responses                       create (streamed or not); stored unless store=false
     GET    /v1/responses/{id}                  DELETE /v1/responses/{id}
+    GET    /v1/responses/{id}?stream=true&starting_after=N    a background response's events again
+    POST   /v1/responses/{id}/cancel           a background response's generation
     GET    /v1/responses/{id}/input_items
     POST   /v1/conversations                   GET / POST (update) / DELETE /v1/conversations/{id}
     GET    /v1/conversations/{id}/items        POST /v1/conversations/{id}/items
@@ -14,6 +16,9 @@ What a client is told exists is committed first: a streamed response is stored i
 before ``response.created`` and updated before its last event; a non-streamed one before its
 body is sent. Every read, list and delete is scoped to the caller's API key: another key's
 objects answer 404 as if absent.
+
+``background: true`` answers at once (status in_progress) and generates on in the app's nursery
+(``spark.http.background``): the client polls, streams (and resumes the stream), or cancels.
 
 ``include=["message.output_text.logprobs"]`` (and ``top_logprobs`` alternatives) gives each output
 text, and each of its streamed deltas, the logprobs of the tokens that wrote it (``spark.http.output_tokens``);
@@ -35,14 +40,15 @@ from quart import Blueprint, current_app, g, request
 
 from spark.core.scheduler import PrefixPin
 from spark.http import spine
+from spark.http.background import RETAIN_S, BackgroundRun, BackgroundRuns
 from spark.http.errors import ApiError
 from spark.http.fanin import FanIn
-from spark.http.gateway import generates
-from spark.http.params import logprobs_k, sampling_params, single_job
-from spark.http.response_items import (OUTPUT_TEXT_LOGPROBS, ConversationRequest, ConversationUpdate, ItemsRequest,
-                                       OutputBuilder, ResponsesRequest, chat_messages, chat_tools, check_calls_answered,
-                                       check_include, check_metadata, check_new_items, input_items, new_id,
-                                       reasoning_text, usage)
+from spark.http.gateway import generates, log_when_done
+from spark.http.params import Job, logprobs_k, sampling_params, single_job
+from spark.http.response_items import (OUTPUT_TEXT_LOGPROBS, CancelRequest, ConversationRequest, ConversationUpdate,
+                                       ItemsRequest, OutputBuilder, ResponsesRequest, chat_messages, chat_tools,
+                                       check_calls_answered, check_include, check_metadata, check_new_items,
+                                       input_items, new_id, reasoning_text, usage)
 from spark.http.spine import Serving, request_body
 from spark.http.structured import output_schema
 from spark.http.turn import ToolChoice, TurnDone, TurnParser, effort_thinking, turn_steps
@@ -56,6 +62,15 @@ def install(app) -> None:
     """Serve the Responses and Conversations APIs on ``app``; the store opens at first use."""
     app.register_blueprint(bp)
     holder = app.extensions["spark_state"] = _Holder()
+
+    async def start_background() -> None:
+        app.extensions["spark_background"] = BackgroundRuns(app.nursery)
+
+    async def stop_background() -> None:  # before the store closes: the runs store their ends
+        await app.extensions["spark_background"].close()
+
+    app.before_serving(start_background)
+    app.after_serving(stop_background)
     app.after_serving(holder.close)
 
 
@@ -110,6 +125,8 @@ async def create_response(serving: Serving):
     params = sampling_params(serving.limits, {"temperature": req.temperature, "top_p": req.top_p},
                              max_tokens=req.max_output_tokens, param="max_output_tokens", logprobs=logprobs_k(req))
     owner = _owner()
+    if req.background and req.store is False:
+        raise ApiError(400, "a background response is stored: background=true needs store=true", param="background")
     # store=false needs the store only to read what it continues: a stateless server makes no file
     store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
     history, conversation_id = await _history(req, owner, store)
@@ -130,12 +147,14 @@ async def create_response(serving: Serving):
     pins = (PrefixPin(rid, serving.model.config.prefix_pin_ttl_s),) if req.store is not False or conversation_id else ()
     job = single_job(rid, prompt, turn.sampling(params), serving.limits, stream=bool(req.stream), api_key=g.api_key,
                      pins=pins, grammar=turn.grammar, speculative=req.speculative, tbt_ms=req.tbt_ms, param="input")
-    fanin = await spine.submit(serving, job)
     head = _response_head(rid, req, serving.model.served_name, conversation_id, stage, truncation)
     tokenizer = serving.model.tokenizer
     count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text)))
     run = _Run(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store,
                count_tokens=count)
+    if req.background:
+        return await _start_background(serving, job, run, turn.parser(), stage)
+    fanin = await spine.submit(serving, job)
     if job.stream:
         if run.store is not None:
             try:
@@ -146,6 +165,28 @@ async def create_response(serving: Serving):
         return spine.sse(run.sse(fanin, turn.parser()), stage)
     final = await run.collect(fanin, turn.parser())
     return final, 200, spine.stage_headers(stage)
+
+
+async def _start_background(serving: Serving, job: Job, run: _Run, parser: TurnParser, stage: str | None):
+    """Submit the job in the app's nursery, store the response, and answer: the response as it is
+    now, or the stream of its events (which a hang-up stops following, and nothing more)."""
+    runs: BackgroundRuns = current_app.extensions["spark_background"]
+    fanin = await spine.submit_job(serving.model, job, runs.nursery, tally=serving.tally)
+    try:
+        await run.store.put_response(run.owner, run.head, run.items)  # committed before the client hears of it
+    except BaseException:
+        fanin.close()  # cancels the generation
+        raise
+    run.background = BackgroundRun(run.owner)
+    runs.start(run.head["id"], run.background, run.events(fanin, parser, stream=True), log_when_done())
+    if job.stream:
+        return spine.sse(_sse_events(run.background.follow()), stage)
+    return run.head, 200, spine.stage_headers(stage)
+
+
+async def _sse_events(events):
+    async for event in events:
+        yield _sse_event(event)
 
 
 async def _history(req: ResponsesRequest, owner: str, store: AsyncStore | None) -> tuple[list[dict], str | None]:
@@ -199,7 +240,8 @@ def _response_head(rid: str, req: ResponsesRequest, model: str, conversation_id:
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
             "conversation": {"id": conversation_id} if conversation_id else None, "metadata": req.metadata or {},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            "text": req.text or {"format": {"type": "text"}}, "truncation": truncation, "background": False,
+            "text": req.text or {"format": {"type": "text"}}, "truncation": truncation,
+            "background": req.background is True,
             "user": req.user}
     return spine.with_stage(head, stage)
 
@@ -217,6 +259,7 @@ class _Run:
     conversations: AsyncStore | None  # appended to even with store=false
     count_tokens: Callable[[str], int] | None = None  # the tokenizer's count of a text, for reasoning_tokens
     final: dict | None = None
+    background: BackgroundRun | None = None  # a background response's run
 
     def _reasoning_tokens(self, output: list[dict], output_tokens: int) -> int:
         """The output's reasoning in tokens: its text re-encoded (the parser sees text, not ids)."""
@@ -257,10 +300,9 @@ class _Run:
                                   "completed_at": round(time.time(), 3)}
                     await self._save()
                     yield {"type": f"response.{self.final['status']}", "response": self.final}
-        except BaseException as exc:  # the client went away (cancelled), or the server failed
+        except BaseException as exc:  # cancelled (the client went away, or asked), or the server failed
             if self.final is None and stream and self.store is not None:
-                ended = {**self.head, "status": "cancelled"} if not isinstance(exc, Exception) else {
-                    **self.head, "status": "failed", "error": {"code": "server_error", "message": _describe(exc)}}
+                ended = self._ended(exc)
                 with trio.CancelScope(shield=True):
                     try:
                         await self.store.put_response(self.owner, ended)
@@ -269,6 +311,16 @@ class _Run:
             raise
         finally:
             fanin.close()
+
+    def _ended(self, exc: BaseException) -> dict:
+        """The response as an exception left it: failed if the server failed or stopped under a
+        background response, else cancelled (a hang-up, or the cancel endpoint)."""
+        if isinstance(exc, Exception):
+            return {**self.head, "status": "failed", "error": {"code": "server_error", "message": _describe(exc)}}
+        if self.background is not None and not self.background.cancel_requested:
+            return {**self.head, "status": "failed", "error": {
+                "code": "server_error", "message": "the server stopped before this response was finished"}}
+        return {**self.head, "status": "cancelled"}
 
     async def _save(self) -> None:
         if self.store is not None:
@@ -329,8 +381,60 @@ async def get_response(rid: str):
     response = await (await _store()).get_response(_owner(), rid)
     if response is None:
         raise _not_found("response", rid)
+    if request.args.get("stream", "false").lower() == "true":
+        return spine.sse(_sse_events(_background_run(response).follow(_starting_after())))
+    return _shown(response, include)
+
+
+def _background_run(response: dict) -> BackgroundRun:
+    """The run of a background response whose events are still kept.
+
+    Raises:
+      ApiError: 400 for a response that is not a background one, or whose events are gone.
+    """
+    rid = response["id"]
+    if not response.get("background"):
+        raise ApiError(400, f"response {rid!r} was not created with background=true: only a background "
+                            "response's events can be streamed again; retrieve it without stream", param="stream")
+    run = current_app.extensions["spark_background"].get(_owner(), rid)
+    if run is None:
+        raise ApiError(400, f"the events of response {rid!r} are no longer kept (they are for "
+                            f"{RETAIN_S / 60:.0f} minutes after it ends, and not across a restart); "
+                            "retrieve it without stream", param="stream")
+    return run
+
+
+def _starting_after() -> int:
+    value = request.args.get("starting_after", "-1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ApiError(400, f"starting_after must be an integer, got {value!r}", param="starting_after") from None
+
+
+@bp.post("/v1/responses/<rid>/cancel")
+async def cancel_response(rid: str):
+    """Cancel a background response's generation (a finished one is answered as it is, as OpenAI's)."""
+    if (await request.get_data()).strip():
+        await request_body(CancelRequest)  # a 400 for a body that is not an object
+    store, owner = await _store(), _owner()
+    response = await store.get_response(owner, rid)
+    if response is None:
+        raise _not_found("response", rid)
+    if not response.get("background"):
+        raise ApiError(400, f"response {rid!r} was not created with background=true: only a background "
+                            "response can be cancelled")
+    run = current_app.extensions["spark_background"].get(owner, rid)
+    if run is not None and not run.done:
+        await run.cancel()
+        response = await store.get_response(owner, rid)
+    return _shown(response, include=())
+
+
+def _shown(response: dict, include) -> dict:
+    """A stored response as a read shows it: its texts' logprobs only where ``include`` asks for them."""
     if OUTPUT_TEXT_LOGPROBS not in include:  # stored with the text; shown where asked for, as OpenAI's
-        response["output"] = [_without_logprobs(item) for item in response.get("output", [])]
+        response = {**response, "output": [_without_logprobs(item) for item in response.get("output", [])]}
     return response
 
 
@@ -350,6 +454,9 @@ def _include_args() -> list[str]:
 
 @bp.delete("/v1/responses/<rid>")
 async def delete_response(rid: str):
+    run = current_app.extensions["spark_background"].get(_owner(), rid)
+    if run is not None and not run.done:
+        await run.cancel()  # else its end, stored later, would bring it back
     if not await (await _store()).delete_response(_owner(), rid):
         raise _not_found("response", rid)
     model = current_app.extensions["spark"].system
