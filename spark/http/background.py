@@ -4,7 +4,8 @@ The create answers at once; the generation runs in a task of the app's nursery, 
 so a client that goes away neither cancels it nor loses it. Its ``response.*`` events are kept in
 order (``BackgroundRun``): a streamed create follows them, and ``GET /v1/responses/{id}?stream=true
 &starting_after=N`` follows them again from any sequence number, while the run lives and for
-``RETAIN_S`` after it ends (in memory: not across a restart; the stored response stays as always).
+``RETAIN_S`` after it ends (in memory, within ``MAX_KEPT_EVENTS``: not across a restart; the stored
+response stays as always).
 ``POST /v1/responses/{id}/cancel`` cancels a run and waits until its end is stored.
 
 This module knows nothing of what a response is: ``spark.http.responses`` hands it an event
@@ -23,6 +24,7 @@ import trio
 log = logging.getLogger("spark.http")
 
 RETAIN_S = 600.0  # a finished run's events, for a stream to resume (OpenAI keeps them about 10 minutes)
+MAX_KEPT_EVENTS = 200_000  # finished runs' events in all (~100 MB): past it the oldest go first
 
 
 @attrs.define(eq=False)
@@ -56,8 +58,12 @@ class BackgroundRun:
             await self._changed.wait()
 
     async def cancel(self) -> None:
-        """Cancel the generation and wait until its end is stored."""
+        """Cancel the generation (at the client's request) and wait until its end is stored."""
         self.cancel_requested = True
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Cancel the generation and wait until its end is stored."""
         self._scope.cancel()
         while not self.done:
             await self._changed.wait()
@@ -69,6 +75,8 @@ class BackgroundRuns:
 
     nursery: trio.Nursery
     _runs: dict[str, BackgroundRun] = attrs.field(factory=dict)
+    _finished: dict[str, BackgroundRun] = attrs.field(factory=dict)  # kept for resumption, oldest first
+    _kept_events: int = 0  # theirs
     _closed: trio.Event = attrs.field(factory=trio.Event)  # ends the finished runs' retention
 
     def start(self, rid: str, run: BackgroundRun, events: AsyncIterator[dict],
@@ -86,12 +94,11 @@ class BackgroundRuns:
     async def close(self) -> None:
         """Cancel every live run (the server is stopping) and wait until each one's end is stored."""
         self._closed.set()
-        for run in list(self._runs.values()):
-            if not run.done:
-                run._scope.cancel()
-        for run in list(self._runs.values()):
-            while not run.done:
-                await run._changed.wait()
+        live = [run for run in self._runs.values() if not run.done]
+        for run in live:
+            run._scope.cancel()
+        for run in live:
+            await run.stop()
 
     async def _drive(self, rid: str, run: BackgroundRun, events: AsyncIterator[dict],
                      ended: Callable[[str], None]) -> None:
@@ -112,7 +119,22 @@ class BackgroundRuns:
             run.done = True
             run._wake()
             ended(outcome)
+        self._keep(rid, run)
         with trio.move_on_after(RETAIN_S):
             await self._closed.wait()
+        self._forget(rid, run)
+
+    def _keep(self, rid: str, run: BackgroundRun) -> None:
+        """Keep a finished run's events, forgetting the oldest kept ones past ``MAX_KEPT_EVENTS``."""
+        self._finished[rid] = run
+        self._kept_events += len(run.events)
+        while self._kept_events > MAX_KEPT_EVENTS and len(self._finished) > 1:
+            oldest = next(iter(self._finished))
+            self._forget(oldest, self._finished[oldest])
+
+    def _forget(self, rid: str, run: BackgroundRun) -> None:
+        if self._finished.get(rid) is run:
+            del self._finished[rid]
+            self._kept_events -= len(run.events)
         if self._runs.get(rid) is run:
             del self._runs[rid]

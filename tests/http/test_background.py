@@ -10,7 +10,9 @@ import time
 import httpx
 import openai
 import pytest
+import trio
 
+from spark.http import background
 from spark.state import Store, owner_of
 from tests.http.replay import ReplayEngine, qwen_like_tokenizer, replay_server
 
@@ -160,3 +162,33 @@ def test_a_stopping_server_ends_its_background_responses(tmp_path):
         assert store.get_response(owner_of(KEY_A), finished.id)["status"] == "completed"
     finally:
         store.close()
+
+
+# -- the registry alone (spark.http.background), on trio -----------------------------------------
+
+
+async def _counting(n: int, step_s: float = 0.0):
+    for i in range(n):
+        await trio.sleep(step_s)
+        yield {"type": "tick", "i": i}
+
+
+async def test_runs_follow_cancel_and_forget_the_oldest_past_the_budget(monkeypatch):
+    monkeypatch.setattr(background, "MAX_KEPT_EVENTS", 5)
+    ended: list[tuple[str, str]] = []
+    async with trio.open_nursery() as nursery:
+        runs = background.BackgroundRuns(nursery)
+        for rid in ("r1", "r2", "r3"):
+            run = background.BackgroundRun("me")
+            runs.start(rid, run, _counting(3), lambda outcome, rid=rid: ended.append((rid, outcome)))
+            assert [e["sequence_number"] for e in [e async for e in run.follow(after=0)]] == [1, 2]
+        assert runs.get("me", "r3") is run and runs.get("someone", "r3") is None
+        assert runs.get("me", "r1") is None and runs.get("me", "r2") is None  # 3 + 3 events > 5: the oldest go
+
+        slow = background.BackgroundRun("me")
+        runs.start("r4", slow, _counting(1000, 0.01), lambda outcome: ended.append(("r4", outcome)))
+        await trio.sleep(0.05)
+        await slow.cancel()
+        assert slow.done and 0 < len(slow.events) < 1000
+        await runs.close()  # ends the kept runs' retention: the nursery closes at once
+    assert ended == [("r1", "ok"), ("r2", "ok"), ("r3", "ok"), ("r4", "cancelled")]
