@@ -246,7 +246,8 @@ def check_calls_answered(history: Sequence[dict], items: Sequence[dict], *, para
     each call among the new items, needs a function_call_output among the new items. Otherwise the
     model would read its own call followed by no result, and an agent's lost tool output would go
     unnoticed. Calls before that message are not judged: a conversation's items may have been
-    deleted since, and the turn that made them was judged then.
+    deleted since, and the turn that made them was judged then. Nor is a call the output was cut off
+    in (status incomplete): it cannot be run.
 
     Raises:
       ApiError: 400 naming the first unanswered call (``input[1]`` when it is a new item).
@@ -254,7 +255,7 @@ def check_calls_answered(history: Sequence[dict], items: Sequence[dict], *, para
     last_user = max((i for i, item in enumerate(history)
                      if item.get("type") == "message" and item.get("role") != "assistant"), default=-1)
     pending = {item["call_id"]: (item.get("name"), None) for item in history[last_user + 1:]
-               if item.get("type") == "function_call"}
+               if item.get("type") == "function_call" and item.get("status") != "incomplete"}  # cut off: not run
     for item in history[last_user + 1:]:
         if item.get("type") == "function_call_output":
             pending.pop(item.get("call_id"), None)

@@ -426,6 +426,10 @@ def test_a_turn_that_leaves_a_call_unanswered_is_refused(client, engine):
     answered = client.responses.create(model="replay", previous_response_id=first.id, tools=[WEATHER], input=[
         {"type": "function_call_output", "call_id": call.call_id, "output": "18C [after-tool]"}])
     assert answered.output_text == REPLIES["[after-tool]"]
+    cut = client.responses.create(model="replay", input="Weather? [call]", tools=[WEATHER], max_output_tokens=20)
+    assert cut.status == "incomplete" and [(i.type, i.status) for i in cut.output] == [("function_call", "incomplete")]
+    after_cut = client.responses.create(model="replay", previous_response_id=cut.id, input="Again. [hello]")
+    assert after_cut.output_text == REPLIES["[hello]"]  # a call cut off cannot be run: nothing to answer
 
     conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Weather?"}])
     client.conversations.items.create(conv.id, items=[{**c1, "call_id": "c7"}])  # adding a call alone is fine
