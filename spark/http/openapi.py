@@ -45,6 +45,7 @@ BODIES: dict[str, type] = {
     "responses.create_response": ResponsesRequest,
     "responses.create_conversation": ConversationRequest,
     "responses.cancel_response": CancelRequest,
+    "responses.count_input_tokens": ResponsesRequest,
     "responses.update_conversation": ConversationUpdate,
     "responses.add_conversation_items": ItemsRequest,
     "inference_admin.up": UpRequest,

@@ -4,6 +4,7 @@
     GET    /v1/responses/{id}                  DELETE /v1/responses/{id}
     GET    /v1/responses/{id}?stream=true&starting_after=N    a background response's events again
     POST   /v1/responses/{id}/cancel           a background response's generation
+    POST   /v1/responses/input_tokens          the prompt's tokens a create would send
     GET    /v1/responses/{id}/input_items
     POST   /v1/conversations                   GET / POST (update) / DELETE /v1/conversations/{id}
     GET    /v1/conversations/{id}/items        POST /v1/conversations/{id}/items
@@ -129,19 +130,10 @@ async def create_response(serving: Serving):
         raise ApiError(400, "a background response is stored: background=true needs store=true", param="background")
     # store=false needs the store only to read what it continues: a stateless server makes no file
     store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
-    history, conversation_id = await _history(req, owner, store)
-    items = await spine.off_loop(input_items, req.input)
-    if not items and not history:
-        raise ApiError(400, "input must hold at least one item", param="input")
-    check_new_items(history, items)
-    check_calls_answered(history, items)
-    enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
+    history, conversation_id, items, messages, turn_kwargs = await _turn_inputs(req, owner, store)
     truncation = _truncation(req.truncation)
-    turn, stage = await spine.fit_turn(
-        serving, chat_messages(req.instructions, history + items), max_tokens=req.max_output_tokens,
-        compact=truncation == "auto", tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
-        parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable, thinking_budget=budget,
-        output_schema=output_schema((req.text or {}).get("format"), param="text.format"))
+    turn, stage = await spine.fit_turn(serving, messages, max_tokens=req.max_output_tokens,
+                                       compact=truncation == "auto", **turn_kwargs)
     rid, prompt = new_id("resp"), turn.prompt.prompt_ids
     # what the next turn extends (previous_response_id, the conversation) stays cached a while
     pins = (PrefixPin(rid, serving.model.config.prefix_pin_ttl_s),) if req.store is not False or conversation_id else ()
@@ -165,6 +157,34 @@ async def create_response(serving: Serving):
         return spine.sse(run.sse(fanin, turn.parser()), stage)
     final = await run.collect(fanin, turn.parser())
     return final, 200, spine.stage_headers(stage)
+
+
+@generates(bp, "/v1/responses/input_tokens", logged=False)  # names a model, generates nothing
+async def count_input_tokens(serving: Serving):
+    """The prompt's tokens that a create with this body would send (OpenAI's ``responses.input_tokens``)."""
+    req = await request_body(ResponsesRequest)
+    store = await _store() if req.previous_response_id or req.conversation else None
+    _, _, _, messages, turn_kwargs = await _turn_inputs(req, _owner(), store)
+    # as rendered, not compacted: a client counts to learn whether it must shorten the input itself
+    turn = await spine.render_turn(serving, messages, **turn_kwargs)
+    return {"object": "response.input_tokens", "input_tokens": len(turn.prompt.prompt_ids)}
+
+
+async def _turn_inputs(req: ResponsesRequest, owner: str, store: AsyncStore | None):
+    """What a turn renders: the history it continues, its conversation, its new items (checked against
+    the history), the chat messages of both, and the rest of ``prepare_turn``'s arguments."""
+    history, conversation_id = await _history(req, owner, store)
+    items = await spine.off_loop(input_items, req.input)
+    if not items and not history:
+        raise ApiError(400, "input must hold at least one item", param="input")
+    check_new_items(history, items)
+    check_calls_answered(history, items)
+    enable, budget = effort_thinking((req.reasoning or {}).get("effort"), param="reasoning.effort")
+    turn_kwargs = dict(tools=chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
+                       parallel_tool_calls=req.parallel_tool_calls is not False, enable_thinking=enable,
+                       thinking_budget=budget,
+                       output_schema=output_schema((req.text or {}).get("format"), param="text.format"))
+    return history, conversation_id, items, chat_messages(req.instructions, history + items), turn_kwargs
 
 
 async def _start_background(serving: Serving, job: Job, run: _Run, parser: TurnParser, stage: str | None):

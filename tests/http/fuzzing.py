@@ -94,6 +94,8 @@ SEEDS: dict[str, list[dict]] = {
                    {"role": "user", "content": "and?"}], "max_output_tokens": 2, "reasoning": {"effort": "none"},
          "tool_choice": "none", "tools": [{"type": "function", "name": "w"}]},
     ],
+    "POST /v1/responses/input_tokens": [{"input": "hi"}, {"input": [{"role": "user", "content": "hi"}],
+                                          "instructions": "Be brief.", "tools": [{"type": "function", "name": "w"}]}],
     "POST /v1/responses/{rid}/cancel": [{}],  # the SDK sends none; an object is read and ignored
     "POST /v1/conversations": [{}, {"items": [{"role": "user", "content": "hi"}], "metadata": {"k": "v"}},
                                {"items": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],

@@ -141,12 +141,13 @@ def test_seeds_are_served(server):
     """A valid body gets an answer, not a 400: the schema's seeds through the real server."""
     with server.http() as http:
         cid = http.post("/v1/conversations", json={}).json()["id"]
+        rid = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "background": True}).json()["id"]
         for operation, seeds in fuzzing.SEEDS.items():
             if operation in fuzzing.DANGEROUS or operation in fuzzing.UPSTREAM_ONLY:
                 continue
             method, path = operation.split(" ", 1)
             for seed in seeds:
-                r = http.request(method, path.replace("{cid}", cid), json=seed)
+                r = http.request(method, path.replace("{cid}", cid).replace("{rid}", rid), json=seed)
                 assert r.status_code == 200, (operation, seed, r.text[:300])
 
 

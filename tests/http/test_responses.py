@@ -488,11 +488,14 @@ def test_bad_logprobs_requests(client, body, param):
     assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
-def test_a_restart_keeps_what_was_stored(engine, state_path, server):
-    with serving(engine, state_path=state_path) as first, _client(first) as c:
+def test_a_restart_keeps_what_was_stored(state_path, server):
+    # Each server gets an engine of its own, as a restarted process would: one engine's KV pages
+    # shared by two servers' prefix caches would hold one server's tokens where the other's cache
+    # says its own are (the module's server maps them after this test).
+    with serving(ReplayEngine(qwen_like_tokenizer(), REPLIES), state_path=state_path) as first, _client(first) as c:
         r = c.responses.create(model="replay", input="Remember me [hello]")
         conv = c.conversations.create(items=[{"role": "user", "content": "kept"}])
-    with serving(engine, state_path=state_path) as second, _client(second) as c:
+    with serving(ReplayEngine(qwen_like_tokenizer(), REPLIES), state_path=state_path) as second, _client(second) as c:
         assert c.responses.retrieve(r.id).output_text == REPLIES["[hello]"]
         assert c.conversations.items.list(conv.id).data[0].content[0].text == "kept"
         follow = c.responses.create(model="replay", input="Again [second]", previous_response_id=r.id)
@@ -548,3 +551,20 @@ def test_sigkill_loses_no_acknowledged_response(tmp_path):
     missing = [rid for rid in acknowledged if store.get_response(owner_of(KEY_A), rid) is None]
     store.close()
     assert not missing
+
+
+def test_input_tokens_counts_what_a_create_would_send(client):
+    body = {"model": "replay", "input": "Hi [hello]", "instructions": "Be kind.", "tools": [WEATHER]}
+    counted = client.responses.input_tokens.count(**body)
+    assert counted.object == "response.input_tokens"
+    first = client.responses.create(**body)
+    assert counted.input_tokens == first.usage.input_tokens > 20
+    follow = {**body, "input": "More [second]", "previous_response_id": first.id}
+    assert client.responses.input_tokens.count(**follow).input_tokens == \
+        client.responses.create(**follow).usage.input_tokens > counted.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model="replay", input="x", previous_response_id="resp_missing")
+    call = client.responses.create(model="replay", input="Weather? [call]", tools=[WEATHER])
+    refused = _refused(lambda: client.responses.input_tokens.count(model="replay", input="Hm. [hello]",
+                                                                    previous_response_id=call.id))
+    assert refused.body["param"] == "input" and call.output[0].call_id in refused.message
