@@ -35,7 +35,7 @@ class BackgroundRun:
     events: list[dict] = attrs.field(factory=list)
     cancel_requested: bool = False  # by the cancel endpoint (else a cancellation is the server stopping)
     done: bool = False
-    _scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # the generation's
     _changed: trio.Event = attrs.field(factory=trio.Event)
 
     def add(self, event: dict) -> None:
@@ -64,7 +64,7 @@ class BackgroundRun:
 
     async def stop(self) -> None:
         """Cancel the generation and wait until its end is stored."""
-        self._scope.cancel()
+        self.scope.cancel()
         while not self.done:
             await self._changed.wait()
 
@@ -95,8 +95,8 @@ class BackgroundRuns:
         """Cancel every live run (the server is stopping) and wait until each one's end is stored."""
         self._closed.set()
         live = [run for run in self._runs.values() if not run.done]
-        for run in live:
-            run._scope.cancel()
+        for run in live:  # all at once, then each until its end is stored
+            run.scope.cancel()
         for run in live:
             await run.stop()
 
@@ -104,12 +104,12 @@ class BackgroundRuns:
                      ended: Callable[[str], None]) -> None:
         outcome = "failed"
         try:
-            with run._scope:
+            with run.scope:
                 async with aclosing(events) as each:
                     async for event in each:
                         run.add(event)
                 outcome = "ok"
-            if run._scope.cancelled_caught:
+            if run.scope.cancelled_caught:
                 outcome = "cancelled"
         except Exception as exc:  # the server's own failure: the events stored the response as failed
             log.exception("background response %s failed", rid)
