@@ -61,11 +61,8 @@ def _refused(call, error=openai.BadRequestError):
 
 
 def test_a_background_response_answers_at_once_and_generates_on(client, engine):
-    started = time.monotonic()
     r = client.responses.create(model="replay", input="Count [count]", background=True)
-    answered_s = time.monotonic() - started
-    assert r.status == "in_progress" and r.background is True and r.output == []
-    assert answered_s < 1.0  # the reply takes 120+ steps of 10 ms
+    assert r.status == "in_progress" and r.background is True and r.output == []  # answered before any output
     done = _until_done(client, r.id)
     assert done.status == "completed" and done.output_text == REPLIES["[count]"] and done.background is True
     assert done.usage.output_tokens > 100
