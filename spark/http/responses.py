@@ -13,8 +13,8 @@
 A new turn continues ``previous_response_id`` (its chain's inputs and outputs) or a
 ``conversation`` (its items, to which the turn's input and output are appended when it ends;
 an item deleted from it is gone from what the next turn reads).
-What a client is told exists is committed first (``spark.http.response_run``). Every read, list and delete is scoped to the caller's API key: another key's
-objects answer 404 as if absent.
+What a client is told exists is committed first (``spark.http.response_run``). Every read, list
+and delete is scoped to the caller's API key: another key's objects answer 404 as if absent.
 
 ``background: true`` answers at once (status in_progress) and generates on in the app's nursery
 (``spark.http.background``): the client polls, streams (and resumes the stream), or cancels.
@@ -134,8 +134,8 @@ async def create_response(serving: Serving):
     head = _response_head(rid, req, serving.model.served_name, conversation_id, stage, truncation)
     tokenizer = serving.model.tokenizer
     count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text)))
-    run = ResponseRun(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id, store,
-               count_tokens=count)
+    run = ResponseRun(head, items, len(prompt), owner, store if req.store is not False else None, conversation_id,
+                      store, count_tokens=count)
     if req.background:
         return await _start_background(serving, job, run, turn.parser(), stage)
     fanin = await spine.submit(serving, job)
