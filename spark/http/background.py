@@ -9,7 +9,7 @@ response stays as always).
 ``POST /v1/responses/{id}/cancel`` cancels a run and waits until its end is stored.
 
 This module knows nothing of what a response is: ``spark.http.responses`` hands it an event
-iterator that stores the response as it goes.
+iterator that stores the response as it goes, and ends with an ``error`` event if the server fails.
 """
 
 from __future__ import annotations
@@ -91,6 +91,15 @@ class BackgroundRuns:
         run = self._runs.get(rid)
         return run if run is not None and run.owner == owner else None
 
+    async def cancel(self, owner: str, rid: str) -> bool:
+        """Cancel ``rid``'s run if it is ``owner``'s and live (at the client's request), and wait until
+        its end is stored; whether there was one."""
+        run = self.get(owner, rid)
+        if run is None or run.done:
+            return False
+        await run.cancel()
+        return True
+
     async def close(self) -> None:
         """Cancel every live run (the server is stopping) and wait until each one's end is stored."""
         self._closed.set()
@@ -111,10 +120,8 @@ class BackgroundRuns:
                 outcome = "ok"
             if run.scope.cancelled_caught:
                 outcome = "cancelled"
-        except Exception as exc:  # the server's own failure: the events stored the response as failed
+        except Exception:  # not the response's failure (its events end with that), this module's own
             log.exception("background response %s failed", rid)
-            run.add({"type": "error", "code": "server_error", "param": None,
-                     "message": f"internal error: {type(exc).__name__}: {exc}"})
         finally:
             run.done = True
             run._wake()

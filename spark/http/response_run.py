@@ -120,18 +120,35 @@ class ResponseRun:
             raise self.final["spark_error"]
         return self.final
 
-    async def sse(self, fanin: FanIn, parser: TurnParser):
-        """The events as SSE, numbered; a failure of the server itself ends the stream with an ``error`` event."""
-        seq = 0
+    async def begin(self, fanin: FanIn) -> None:
+        """Store the response in_progress (if it is stored) before the client hears of its id; if that
+        fails, the generation is cancelled."""
+        if self.store is None:
+            return
+        try:
+            await self.store.put_response(self.owner, self.head, self.items)
+        except BaseException:
+            fanin.close()  # cancels the generation
+            raise
+
+    async def stream_events(self, fanin: FanIn, parser: TurnParser):
+        """The events of a streamed (or background) response, unnumbered; a failure of the server itself
+        ends them with an ``error`` event."""
         try:
             async with aclosing(self.events(fanin, parser, stream=True)) as events:
                 async for event in events:
-                    yield sse_event({**event, "sequence_number": seq})
-                    seq += 1
+                    yield event
         except Exception as exc:
             log.exception("response %s failed", self.head["id"])
-            yield sse_event({"type": "error", "code": "server_error", "message": describe(exc), "param": None,
-                              "sequence_number": seq})
+            yield {"type": "error", "code": "server_error", "message": describe(exc), "param": None}
+
+    async def sse(self, fanin: FanIn, parser: TurnParser):
+        """``stream_events`` as SSE, numbered."""
+        seq = 0
+        async with aclosing(self.stream_events(fanin, parser)) as events:
+            async for event in events:
+                yield sse_event({**event, "sequence_number": seq})
+                seq += 1
 
 
 async def turn_events(fanin: FanIn, parser: TurnParser, builder: OutputBuilder):

@@ -140,12 +140,7 @@ async def create_response(serving: Serving):
         return await _start_background(serving, job, run, turn.parser(), stage)
     fanin = await spine.submit(serving, job)
     if job.stream:
-        if run.store is not None:
-            try:
-                await store.put_response(owner, head, items)  # committed before the client hears of its id
-            except BaseException:
-                fanin.close()  # cancels the generation
-                raise
+        await run.begin(fanin)
         return spine.sse(run.sse(fanin, turn.parser()), stage)
     final = await run.collect(fanin, turn.parser())
     return final, 200, spine.stage_headers(stage)
@@ -182,18 +177,18 @@ async def _turn_inputs(req: ResponsesRequest, owner: str, store: AsyncStore | No
 async def _start_background(serving: Serving, job: Job, run: ResponseRun, parser: TurnParser, stage: str | None):
     """Submit the job in the app's nursery, store the response, and answer: the response as it is
     now, or the stream of its events (which a hang-up stops following, and nothing more)."""
-    runs: BackgroundRuns = current_app.extensions["spark_background"]
+    runs = _background_runs()
     fanin = await spine.submit_job(serving.model, job, runs.nursery, tally=serving.tally)
-    try:
-        await run.store.put_response(run.owner, run.head, run.items)  # committed before the client hears of it
-    except BaseException:
-        fanin.close()  # cancels the generation
-        raise
+    await run.begin(fanin)
     run.background = BackgroundRun(run.owner)
-    runs.start(run.head["id"], run.background, run.events(fanin, parser, stream=True), log_when_done())
+    runs.start(run.head["id"], run.background, run.stream_events(fanin, parser), log_when_done())
     if job.stream:
         return spine.sse(_sse_events(run.background.follow()), stage)
     return run.head, 200, spine.stage_headers(stage)
+
+
+def _background_runs() -> BackgroundRuns:
+    return current_app.extensions["spark_background"]
 
 
 async def _sse_events(events):
@@ -279,7 +274,7 @@ def _background_run(response: dict) -> BackgroundRun:
     if not response.get("background"):
         raise ApiError(400, f"response {rid!r} was not created with background=true: only a background "
                             "response's events can be streamed again; retrieve it without stream", param="stream")
-    run = current_app.extensions["spark_background"].get(_owner(), rid)
+    run = _background_runs().get(_owner(), rid)
     if run is None:
         raise ApiError(400, f"the events of response {rid!r} are no longer kept (they are for "
                             f"{RETAIN_S / 60:.0f} minutes after it ends, and not across a restart); "
@@ -307,9 +302,7 @@ async def cancel_response(rid: str):
     if not response.get("background"):
         raise ApiError(400, f"response {rid!r} was not created with background=true: only a background "
                             "response can be cancelled")
-    run = current_app.extensions["spark_background"].get(owner, rid)
-    if run is not None and not run.done:
-        await run.cancel()
+    if await _background_runs().cancel(owner, rid):
         response = await store.get_response(owner, rid)
     return _shown(response, include=())
 
@@ -337,9 +330,7 @@ def _include_args() -> list[str]:
 
 @bp.delete("/v1/responses/<rid>")
 async def delete_response(rid: str):
-    run = current_app.extensions["spark_background"].get(_owner(), rid)
-    if run is not None and not run.done:
-        await run.cancel()  # else its end, stored later, would bring it back
+    await _background_runs().cancel(_owner(), rid)  # a live one: else its end, stored later, would bring it back
     if not await (await _store()).delete_response(_owner(), rid):
         raise _not_found("response", rid)
     model = current_app.extensions["spark"].system
