@@ -24,7 +24,7 @@ from spark.control.slot import Refusal, Slot
 from spark.http.errors import ApiError
 from spark.http.gateway import refusal_error
 from spark.http.keys import keyring
-from spark.http.schemas import parse_body
+from spark.http.spine import optional_request_body
 
 bp = Blueprint("inference_admin", __name__, url_prefix="/api/inference")
 
@@ -89,7 +89,7 @@ async def status():
 @bp.post("/up")
 async def up():
     slot = _slot()
-    body = await _body(UpRequest)
+    body = await optional_request_body(UpRequest)
     recipe = slot.catalog.get(body.id)
     if recipe is None:
         raise ApiError(404, f"no recipe {body.id!r}; known: {', '.join(r.id for r in slot.catalog.recipes)}",
@@ -111,7 +111,7 @@ async def up():
 @bp.post("/down")
 async def down():
     slot = _slot()
-    body = await _body(DownRequest)
+    body = await optional_request_body(DownRequest)
     try:
         done = slot.take_down(grace_s=_grace(body))
     except Refusal as r:
@@ -146,12 +146,6 @@ async def activity():
     if log is None:
         return {"hour": None, "day": None, "note": "no activity log (activity_log_path is unset)"}
     return await trio.to_thread.run_sync(log.rollup)
-
-
-async def _body(cls: type):
-    """The request body as ``cls`` (an empty body: ``{}``), checked by the API's one converter."""
-    data = await request.get_data()
-    return parse_body(data if data.strip() else b"{}", cls)
 
 
 def _grace(body: DownRequest) -> float | None:

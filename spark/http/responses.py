@@ -293,8 +293,7 @@ def _starting_after() -> int:
 @bp.post("/v1/responses/<rid>/cancel")
 async def cancel_response(rid: str):
     """Cancel a background response's generation (a finished one is answered as it is, as OpenAI's)."""
-    if (await request.get_data()).strip():
-        await request_body(CancelRequest)  # a 400 for a body that is not an object
+    await spine.optional_request_body(CancelRequest)  # a 400 for a body that is not an object
     store, owner = await _store(), _owner()
     response = await store.get_response(owner, rid)
     if response is None:
@@ -375,8 +374,7 @@ def _list(items: list[dict], has_more: bool) -> dict:
 
 @bp.post("/v1/conversations")
 async def create_conversation():
-    raw = await request.get_data()
-    req = await request_body(ConversationRequest) if raw.strip() else ConversationRequest()
+    req = await spine.optional_request_body(ConversationRequest)
     items = input_items(req.items or [], param="items")
     check_new_items((), items, param="items")
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),

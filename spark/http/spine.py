@@ -77,6 +77,13 @@ async def request_body(cls: type) -> Any:
     return await off_loop(structure_body, await json_body(), cls)
 
 
+async def optional_request_body(cls: type) -> Any:
+    """``request_body``, an empty body read as ``{}`` (the routes whose every field is optional)."""
+    if not (await request.get_data()).strip():
+        return structure_body({}, cls)
+    return await request_body(cls)
+
+
 async def off_loop(fn: Callable[..., T], *args) -> T:
     """``fn(*args)``: in a worker thread when the request's body is large (its work grows with it),
     else at once (a thread hop costs more than a small body's work)."""
