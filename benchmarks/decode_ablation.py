@@ -28,7 +28,7 @@ from spark.engine import cuda_graphs
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
 mml = int(sys.argv[2]) if len(sys.argv) > 2 else 272
-batches = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
+batches = [int(b) for b in sys.argv[3].split(",") if b] if len(sys.argv) > 3 else [1]
 only = sys.argv[4].split(",") if len(sys.argv) > 4 else None
 engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model_len=mml,
                      kv_cache_bytes=4 << 30)
@@ -253,26 +253,32 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
             "rows": "one", "knob": ("router", dict(moe_gemv.ROUTER_CONFIG, block_n=bn, num_warps=w, early_tile=early))}
 
     def best_of_sweep():
-        """The fastest shape of each knob swept so far (wqkv, wo, gate_up, down, router) that saved at
-        least 0.3 us a layer against the base runs, all together: one device call both sweeps and
-        checks that the winners add up (the machine goes back seconds after a call)."""
+        """The fastest of each knob swept so far (wqkv's, wo's, gate/up's, down's and the router's shapes,
+        the L2 prefetches) that saved at least 0.3 us a layer against the base runs, all together: one
+        device call both sweeps and checks that the winners add up (the machine goes back seconds after
+        a call)."""
         base = statistics.mean([r["step_us"] for r in out if r["variant"].startswith("base") and r["batch"] == batch])
         winners = {}
         for r in out:
             knob = getattr(variants[r["variant"]], "get", lambda key: None)("knob")  # (best itself is a function)
-            if r["batch"] == batch and knob and (base - r["step_us"]) / c.num_layers >= 0.3:
+            if r["batch"] == batch and "step_us" in r and knob and (base - r["step_us"]) / c.num_layers >= 0.3:
                 if knob[0] not in winners or r["step_us"] < winners[knob[0]][0]:
                     winners[knob[0]] = (r["step_us"], r["variant"], knob[1])
         print("best of sweep:", {k: w[1] for k, w in winners.items()}, flush=True)
         shapes = {s: cfg for k in ("wqkv", "wo") if k in winners for s, cfg in winners[k][2].items()}
+        prefetched = winners["l2"][2] if "l2" in winners else ()
+        l2_shapes = {shape for name, shape in (("wqkv", WQKV), ("wo", WO)) if name in prefetched}
+
+        def cfg(m, n, k, **kw):
+            picked = shapes.get((n, k)) if m == batch else None
+            picked = picked or real_cfg(m, n, k, **kw)
+            return attrs.evolve(picked, prefetch_l2=True) if m == batch and (n, k) in l2_shapes else picked
+
         parts = {k: winners[k][2] for k in ("gate_up", "down") if k in winners}
         patch = {(moe_gemv, "gemv_config"): gemv(**parts)}
-        if "router" in winners:
-            patch[(moe_gemv, "ROUTER_CONFIG")] = winners["router"][2]
-        return {"cfg": cfg_for(shapes), "patch": patch, "rows": "one",
-                "winners": sorted(w[1] for w in winners.values())}
-
-    variants["best"] = best_of_sweep
+        router = winners["router"][2] if "router" in winners else moe_gemv.ROUTER_CONFIG
+        patch[(moe_gemv, "ROUTER_CONFIG")] = dict(router, prefetch_l2="router" in prefetched)
+        return {"cfg": cfg, "patch": patch, "rows": "one", "winners": sorted(w[1] for w in winners.values())}
 # Decode attention's launch config (all batches; 33-64 rows where the key loop is the longest).
 # One stage (no software pipelining): less shared memory a program, so more of a 64-row
 # batch's 512 programs fit on the SMs at once, trading each program's overlap of its own
@@ -383,6 +389,12 @@ variants["last:router+reduce"] = triggers(last=("router", "reduce"))
 variants["first:wqkv"] = triggers(first=("wqkv",))
 variants["first:wo"] = triggers(first=("wo",))
 variants["wo_early"] = triggers(wo_early=True)
+# Weights asked of L2 before the wait (small_linear.Config.prefetch_l2): wo's during attention, wqkv's
+# during the previous layer's down, the router's during wo.
+for names in (("wo",), ("wqkv",), ("router",), ("wo", "wqkv"), ("wo", "wqkv", "router")):
+    shapes = {shape: {"prefetch_l2": True} for name, shape in (("wqkv", WQKV), ("wo", WO)) if name in names}
+    patch = {(moe_gemv, "ROUTER_CONFIG"): dict(moe_gemv.ROUTER_CONFIG, prefetch_l2=True)} if "router" in names else {}
+    variants["l2:" + "+".join(names)] = {"cfg": evolved(shapes), "patch": patch, "rows": "one", "knob": ("l2", names)}
 
 
 def chunked_argmax(x, into):
@@ -400,6 +412,8 @@ def chunked_argmax(x, into):
 
 
 variants["chunked_argmax"] = {"patch": {(cuda_graphs, "greedy_tokens"): chunked_argmax}}
+if preset == "qwen3-30b-a3b":
+    variants["best"] = best_of_sweep  # last but base2: after every knob it picks from
 variants["base2"] = {}
 if only:
     variants = {k: v for k, v in variants.items() if k in only}
@@ -421,10 +435,15 @@ for batch in batches:
         saved = {key: getattr(*key) for key in v.get("patch", {})}
         for (owner, attr), value in v.get("patch", {}).items():
             setattr(owner, attr, value)
-        engine.enable_cuda_graphs(max(batches)); engine.graphs.capture_all()
-        rate = spark_decode(engine, batch, 3)
-        for (owner, attr), value in saved.items():
-            setattr(owner, attr, value)
+        try:  # a variant that fails to compile or run is reported, and the others still run
+            engine.enable_cuda_graphs(max(batches)); engine.graphs.capture_all()
+            rate = spark_decode(engine, batch, 3)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps({"variant": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+            continue
+        finally:
+            for (owner, attr), value in saved.items():
+                setattr(owner, attr, value)
         out.append({"variant": name, "batch": batch, "tok_s": round(rate, 1), "step_us": round(1e6 * batch / rate, 1),
                     **({"winners": v["winners"]} if "winners" in v else {})})
         print(json.dumps(out[-1]), flush=True)

@@ -159,7 +159,7 @@ for name in "$@"; do
         # (down's was swept there on 2026-12-06), in one process: more rows or warps a program hold more bytes
         # in flight, which the H200's bus wants at the same latency; one call of its own (~8 minutes)
         h200-shapes) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
-            base,skip_wqkv,skip_wo,skip_attention,skip_router,skip_experts,skip_down,wqkv:4x2048w2,wqkv:8x2048w2,wqkv:4x2048w4,wqkv:2x2048w1,wqkv:8x1024w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,wo:1x4096w2,wo:4x2048w4,gate_up:2x2048w1,gate_up:8x2048w1,gate_up:8x2048w2,gate_up:4x2048w4,gate_up:16x2048w1,router:2w2e,router:8w4e,router:1w2e,best,base2 ;;
+            base,skip_wqkv,skip_wo,skip_attention,skip_experts,wqkv:4x2048w2,wqkv:8x2048w2,wqkv:4x2048w4,wqkv:2x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,wo:1x4096w2,gate_up:2x2048w1,gate_up:8x2048w1,gate_up:8x2048w2,gate_up:4x2048w4,router:2w2e,router:1w2e,l2:wo,l2:wqkv,l2:wo+wqkv,l2:wo+wqkv+router,best,base2 ;;
         # a graphed decode's greedy tokens (ring, unpacking, embedding under PDL) against the eager engine's,
         # and against another tree's (GRAPH_TOKENS_AGAINST: its graph-tokens.json)
         graph-tokens) step "$name" 240 python ../scripts/gpu_graph_tokens_check.py --out "$OUT/graph-tokens.json" \
