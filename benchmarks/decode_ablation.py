@@ -352,6 +352,14 @@ def final_norm_in_head(self, x):
     return x if x.shape[0] == 1 and self is engine.model.norm else real_norm_forward(self, x)
 
 
+def no_logits(self, hidden):
+    """The head left out at one row: logits uninitialised (the tokens wrong by design)."""
+    if hidden.shape[0] != 1 or self.output is None:
+        return real_logits(self, hidden)
+    return hidden.new_empty(1, self.output.weight.shape[0], dtype=torch.float32)
+
+
+variants["skip_head"] = {"patch": {(llama.LlamaModel, "compute_logits"): no_logits}, "rows": "one"}
 for bn, bk, w in ((4, 2048, 4), (8, 2048, 4), (4, 2048, 2), (8, 2048, 8), (16, 2048, 4), (8, 1024, 2)):
     cfg = C(bn, bk, defer_reduce=False, num_warps=w)
     variants[f"head:{bn}x{bk}w{w}"] = {"patch": {(llama.LlamaModel, "compute_logits"): head_logits(cfg, False)},
