@@ -253,10 +253,9 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
             "rows": "one", "knob": ("router", dict(moe_gemv.ROUTER_CONFIG, block_n=bn, num_warps=w, early_tile=early))}
 
     def best_of_sweep():
-        """The fastest of each knob swept so far (wqkv's, wo's, gate/up's, down's and the router's shapes,
-        the L2 prefetches) that saved at least 0.3 us a layer against the base runs, all together: one
-        device call both sweeps and checks that the winners add up (the machine goes back seconds after
-        a call)."""
+        """The fastest of each knob swept so far (wqkv's, wo's, gate/up's, down's and the router's
+        shapes) that saved at least 0.3 us a layer against the base runs, all together: one device
+        call both sweeps and checks that the winners add up (the machine goes back seconds after a call)."""
         base = statistics.mean([r["step_us"] for r in out if r["variant"].startswith("base") and r["batch"] == batch])
         winners = {}
         for r in out:
@@ -266,19 +265,11 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
                     winners[knob[0]] = (r["step_us"], r["variant"], knob[1])
         print("best of sweep:", {k: w[1] for k, w in winners.items()}, flush=True)
         shapes = {s: cfg for k in ("wqkv", "wo") if k in winners for s, cfg in winners[k][2].items()}
-        prefetched = winners["l2"][2] if "l2" in winners else ()
-        l2_shapes = {shape for name, shape in (("wqkv", WQKV), ("wo", WO)) if name in prefetched}
-
-        def cfg(m, n, k, **kw):
-            picked = shapes.get((n, k)) if m == batch else None
-            picked = picked or real_cfg(m, n, k, **kw)
-            return attrs.evolve(picked, prefetch_l2=True) if m == batch and (n, k) in l2_shapes else picked
-
         parts = {k: winners[k][2] for k in ("gate_up", "down") if k in winners}
         patch = {(moe_gemv, "gemv_config"): gemv(**parts)}
-        router = winners["router"][2] if "router" in winners else moe_gemv.ROUTER_CONFIG
-        patch[(moe_gemv, "ROUTER_CONFIG")] = dict(router, prefetch_l2="router" in prefetched)
-        return {"cfg": cfg, "patch": patch, "rows": "one", "winners": sorted(w[1] for w in winners.values())}
+        if "router" in winners:
+            patch[(moe_gemv, "ROUTER_CONFIG")] = winners["router"][2]
+        return {"cfg": cfg_for(shapes), "patch": patch, "rows": "one", "winners": sorted(w[1] for w in winners.values())}
 # Decode attention's launch config (all batches; 33-64 rows where the key loop is the longest).
 # One stage (no software pipelining): less shared memory a program, so more of a 64-row
 # batch's 512 programs fit on the SMs at once, trading each program's overlap of its own
@@ -397,12 +388,8 @@ variants["last:router+reduce"] = triggers(last=("router", "reduce"))
 variants["first:wqkv"] = triggers(first=("wqkv",))
 variants["first:wo"] = triggers(first=("wo",))
 variants["wo_early"] = triggers(wo_early=True)
-# Weights asked of L2 before the wait (small_linear.Config.prefetch_l2): wo's during attention, wqkv's
-# during the previous layer's down, the router's during wo.
-for names in (("wo",), ("wqkv",), ("router",), ("wo", "wqkv"), ("wo", "wqkv", "router")):
-    shapes = {shape: {"prefetch_l2": True} for name, shape in (("wqkv", WQKV), ("wo", WO)) if name in names}
-    patch = {(moe_gemv, "ROUTER_CONFIG"): dict(moe_gemv.ROUTER_CONFIG, prefetch_l2=True)} if "router" in names else {}
-    variants["l2:" + "+".join(names)] = {"cfg": evolved(shapes), "patch": patch, "rows": "one", "knob": ("l2", names)}
+# (An L2 prefetch of each program's weight rows before its wait, prefetch.global.L2 line by line, was
+# neutral for wo and cost 2.6 us a layer for wqkv on an H100: results 2026-12-06-h100-moe-sweep-all-2e7ede0.json.)
 
 
 def chunked_argmax(x, into):

@@ -47,7 +47,7 @@ from spark.engine.kernels import activation, launch
 triton = None
 tl = None
 _silu_mul = None  # activation's SwiGLU gate, bound by `_kernel()`: the same bits as the unfused kernel
-_load_weight = _activation_tile = _product = _prefetch_l2 = None  # the kernel's steps, bound by `_kernel()` for it to call
+_load_weight = _activation_tile = _product = None  # the kernel's steps, bound by `_kernel()` for it to call
 _wait_for_previous = None  # launch's PDL wait, bound by `_kernel()` likewise
 
 MAX_ROWS = 64
@@ -91,10 +91,6 @@ class Config:
         (PDL's trigger ahead of the wait), so that its programs are resident, and their launch
         paid, while this kernel still waits: the MoE router's launch (``moe_gemv.ROUTER_CONFIG``),
         a short kernel between two long streams.
-      prefetch_l2: before the wait (PDL on Hopper), ask L2 for every line of the program's weight
-        rows (``prefetch.global.L2``: a hint, no registers held, nothing waits on it), so that a
-        weight read after a latency-bound kernel (wo after batch-1 attention) streams during it.
-        An A/B knob (decode_ablation.py l2:*), off by default.
     """
 
     block_n: int
@@ -107,7 +103,6 @@ class Config:
     split_k: int = 1
     flat_row: bool = False
     trigger_first: bool = False
-    prefetch_l2: bool = False
 
 
 # One-row weights below this size take the short-stream launch shapes of `tiling` (Llama-3.1-8B's
@@ -400,9 +395,6 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
         TRIGGER_FIRST=cfg.trigger_first,
-        # 128-byte lines of one row's run of K (a power of two: an arange's length)
-        PREFETCH_LINES=triton_next_power_of_2(triton.cdiv(k // cfg.split_k * weight.element_size(), 128))
-        if cfg.prefetch_l2 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -469,14 +461,8 @@ def _kernel():
             acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         return acc
 
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """``prefetch.global.L2`` of each address (GPU only: inline PTX)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    global _load_weight, _activation_tile, _product, _prefetch_l2
-    _load_weight, _activation_tile, _product, _prefetch_l2 = load_weight, activation_tile, product, prefetch_l2
+    global _load_weight, _activation_tile, _product
+    _load_weight, _activation_tile, _product = load_weight, activation_tile, product
 
     @triton.jit
     def small_linear_kernel(
@@ -488,7 +474,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
-        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -505,10 +491,6 @@ def _kernel():
             # The weights are no earlier kernel's output: the first tile loads before the
             # wait, in flight while the previous kernel drains (see `Config.early_tile`).
             w_first = _load_weight(w_rows, ks, K, EVEN_K)
-        if PDL and PREFETCH_LINES > 0:  # `Config.prefetch_l2`: this program's run of K, a line per lane
-            line = tl.minimum(tl.arange(0, PREFETCH_LINES) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth),
-                              K_PART - 1)
-            _prefetch_l2(w_rows + (tl.program_id(1) * K_PART + line)[None, :])
         if PDL:  # x and the residual come from earlier kernels
             _wait_for_previous(TRIGGER_FIRST)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
