@@ -351,6 +351,11 @@ def no_logits(self, hidden):
 
 
 variants["skip_head"] = {"patch": {(llama.LlamaModel, "compute_logits"): no_logits}, "rows": "one"}
+# Every block left out (its input passed on): what a step costs outside its layers (the embedding, the
+# final norm, the head, the argmax and the graph's own launches), with and without the head.
+variants["skip_layers"] = {"patch": {(engine.model.ops, "block_one_row"): lambda block, h, *rest: h}, "rows": "one"}
+variants["skip_layers_head"] = {"patch": {(engine.model.ops, "block_one_row"): lambda block, h, *rest: h,
+                                          (llama.LlamaModel, "compute_logits"): no_logits}, "rows": "one"}
 for bn, bk, w in ((4, 2048, 4), (8, 2048, 4), (4, 2048, 2), (8, 2048, 8), (16, 2048, 4), (8, 1024, 2)):
     cfg = C(bn, bk, defer_reduce=False, num_warps=w)
     variants[f"head:{bn}x{bk}w{w}"] = {"patch": {(llama.LlamaModel, "compute_logits"): head_logits(cfg, False)},
