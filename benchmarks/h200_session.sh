@@ -155,14 +155,32 @@ for name in "$@"; do
         # against bandwidth differs from the H100's, where most defaults were chosen)
         h200-knobs) step "$name" 240 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,first:wo,first:wqkv,wqkv:4x1024w1e,wo:2x4096w2e,router:2w2e,gate_up:8x2048w1,gate_up:2x2048w1,down:1x1024w2,last:router,last:reduce,base2 ;;
-        # the H200's in-chain parts of the one-row block (as moe-parts) and a sweep of its other launch shapes
-        # (down's was swept there on 2026-12-06), in one process: more rows or warps a program hold more bytes
-        # in flight, which the H200's bus wants at the same latency; one call of its own (~8 minutes)
         # what the MoE batch-1 step costs outside its blocks, and each piece of a block in the chain
         moe-outside) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_head,skip_layers,skip_layers_head,skip_attention,skip_wqkv,skip_wo,skip_router,skip_experts,skip_down,skip_router_route_experts,base2 ;;
         # every one-row knob of the MoE step's batch 1 (about 2 s each after the load), the best of each together
-        moe-sweep-all) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 base,flat_none,flat_all,no_early_loads,no_early_tile,skip_attention,skip_wqkv,skip_wo,wqkv:4x2048w2,wqkv:8x2048w2,wqkv:4x1024w2,wqkv:2x2048w2,wqkv:8x1024w2e,wqkv:4x2048w4,wqkv:2x1024w2,wqkv:2x1024w1,wqkv:4x1024w1,wqkv:2x2048w1,wqkv:8x1024w1,wqkv:4x2048w1,wqkv:4x1024w1e,wo:4x2048w4,wo:4x4096w4,wo:2x4096w4,wo:4x2048w2,wo:2x2048w2,wo:8x2048w4e,wo:4x2048w4e,wo:8x1024w2,wo:2x2048w2e,wo:2x4096w2,wo:1x4096w2,wo:2x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,wo:2x4096w2e,gate_up:2x2048w2,gate_up:8x2048w2,gate_up:4x2048w4,gate_up:4x1024w2,gate_up:2x2048w1,gate_up:8x2048w4,gate_up:2x1024w1,gate_up:1x2048w1,gate_up:4x2048w1,gate_up:1x1024w1,gate_up:8x2048w1,gate_up:16x2048w1,gate_up:2x2048w1s1,gate_up:2x2048w1s2,gate_up:2x2048w1s4,down:2x1024w4,down:8x1024w4,down:4x1024w2,down:4x1024w8,down:2x1024w2,down:8x1024w8,down:16x1024w8,down:2x1024w8,down:1x1024w4,down:1x1024w2,down:2x1024w1,down:4x1024w1,down:8x1024w1,down:1x1024w8,down:1x1024w1,down:4x1024w4,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_down,router:1w2e,router:4w2e,router:2w4e,router:2w2,router:8w4e,router:2w2e,attn1:32w4s2,attn1:32w2s2,attn1:64w2s2,attn1:64w8s2,attn1:16w4s2,attn1:32w4s1,attn1:64w4s2,attn1:128w8s1,attn1:128w4s1e,splits:1,splits:2,splits:8,attn1:256w8s1+splits:1,attn1:256w16s1+splits:1,attn1:128w8s1+splits:1,attn1:128w4s2+splits:1,attn1:128w8s1+splits:2,attn1:128w4s1+splits:2,skip_head,skip_layers,skip_layers_head,head:4x2048w4,head_norm:4x2048w4,head:8x2048w4,head_norm:8x2048w4,head:4x2048w2,head_norm:4x2048w2,head:8x2048w8,head_norm:8x2048w8,head:16x2048w4,head_norm:16x2048w4,head:8x1024w2,head_norm:8x1024w2,last:router,first:wqkv,first:wo,wo_early,chunked_argmax,best,base2 ;;
+        moe-sweep-all) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
+            base,flat_none,flat_all,no_early_loads,no_early_tile,skip_attention,skip_wqkv,skip_wo,wqkv:4x2048w2,\
+wqkv:8x2048w2,wqkv:4x1024w2,wqkv:2x2048w2,wqkv:8x1024w2e,wqkv:4x2048w4,wqkv:2x1024w2,wqkv:2x1024w1,\
+wqkv:4x1024w1,wqkv:2x2048w1,wqkv:8x1024w1,wqkv:4x2048w1,wqkv:4x1024w1e,wo:4x2048w4,wo:4x4096w4,\
+wo:2x4096w4,wo:4x2048w2,wo:2x2048w2,wo:8x2048w4e,wo:4x2048w4e,wo:8x1024w2,wo:2x2048w2e,wo:2x4096w2,\
+wo:1x4096w2,wo:2x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,wo:2x4096w2e,gate_up:2x2048w2,\
+gate_up:8x2048w2,gate_up:4x2048w4,gate_up:4x1024w2,gate_up:2x2048w1,gate_up:8x2048w4,\
+gate_up:2x1024w1,gate_up:1x2048w1,gate_up:4x2048w1,gate_up:1x1024w1,gate_up:8x2048w1,\
+gate_up:16x2048w1,gate_up:2x2048w1s1,gate_up:2x2048w1s2,gate_up:2x2048w1s4,down:2x1024w4,\
+down:8x1024w4,down:4x1024w2,down:4x1024w8,down:2x1024w2,down:8x1024w8,down:16x1024w8,down:2x1024w8,\
+down:1x1024w4,down:1x1024w2,down:2x1024w1,down:4x1024w1,down:8x1024w1,down:1x1024w8,down:1x1024w1,\
+down:4x1024w4,skip_router,skip_router_route,skip_experts,skip_router_route_experts,skip_down,\
+router:1w2e,router:4w2e,router:2w4e,router:2w2,router:8w4e,router:2w2e,attn1:32w4s2,attn1:32w2s2,\
+attn1:64w2s2,attn1:64w8s2,attn1:16w4s2,attn1:32w4s1,attn1:64w4s2,attn1:128w8s1,attn1:128w4s1e,\
+splits:1,splits:2,splits:8,attn1:256w8s1+splits:1,attn1:256w16s1+splits:1,attn1:128w8s1+splits:1,\
+attn1:128w4s2+splits:1,attn1:128w8s1+splits:2,attn1:128w4s1+splits:2,skip_head,skip_layers,\
+skip_layers_head,head:4x2048w4,head_norm:4x2048w4,head:8x2048w4,head_norm:8x2048w4,head:4x2048w2,\
+head_norm:4x2048w2,head:8x2048w8,head_norm:8x2048w8,head:16x2048w4,head_norm:16x2048w4,head:8x1024w2,\
+head_norm:8x1024w2,last:router,first:wqkv,first:wo,wo_early,chunked_argmax,best,base2 ;;
+        # the H200's in-chain parts of the one-row block (as moe-parts) and a sweep of its other launch shapes
+        # (down's was swept there on 2026-12-06), in one process: more rows or warps a program hold more bytes
+        # in flight, which the H200's bus wants at the same latency; about a minute after the load on an H100 (2026-12-06)
         h200-shapes) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_wqkv,skip_wo,skip_attention,skip_experts,wqkv:4x2048w2,wqkv:8x2048w2,wqkv:4x2048w4,wqkv:2x2048w1,wo:4x4096w2,wo:2x4096w1,wo:4x4096w1,wo:1x4096w2,gate_up:2x2048w1,gate_up:8x2048w1,gate_up:8x2048w2,gate_up:4x2048w4,router:2w2e,router:1w2e,best,base2 ;;
         # a graphed decode's greedy tokens (ring, unpacking, embedding under PDL) against the eager engine's,
