@@ -271,15 +271,21 @@ def _background_run(response: dict) -> BackgroundRun:
       ApiError: 400 for a response that is not a background one, or whose events are gone.
     """
     rid = response["id"]
-    if not response.get("background"):
-        raise ApiError(400, f"response {rid!r} was not created with background=true: only a background "
-                            "response's events can be streamed again; retrieve it without stream", param="stream")
+    _check_background(response, "a background response's events can be streamed again; retrieve it without stream",
+                      param="stream")
     run = _background_runs().get(_owner(), rid)
     if run is None:
         raise ApiError(400, f"the events of response {rid!r} are no longer kept (they are for "
                             f"{RETAIN_S / 60:.0f} minutes after it ends, and not across a restart); "
                             "retrieve it without stream", param="stream")
     return run
+
+
+def _check_background(response: dict, only: str, param: str | None = None) -> None:
+    """A 400 for a response not created with background=true, saying what ``only`` a background one allows."""
+    if not response.get("background"):
+        raise ApiError(400, f"response {response['id']!r} was not created with background=true: only {only}",
+                       param=param)
 
 
 def _starting_after() -> int:
@@ -298,9 +304,7 @@ async def cancel_response(rid: str):
     response = await store.get_response(owner, rid)
     if response is None:
         raise _not_found("response", rid)
-    if not response.get("background"):
-        raise ApiError(400, f"response {rid!r} was not created with background=true: only a background "
-                            "response can be cancelled")
+    _check_background(response, "a background response can be cancelled")
     if await _background_runs().cancel(owner, rid):
         response = await store.get_response(owner, rid)
     return _shown(response, include=())
