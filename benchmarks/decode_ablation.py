@@ -28,7 +28,7 @@ from spark.engine import cuda_graphs
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
 mml = int(sys.argv[2]) if len(sys.argv) > 2 else 272
-batches = [int(b) for b in sys.argv[3].split(",") if b] if len(sys.argv) > 3 else [1]
+batches = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
 only = sys.argv[4].split(",") if len(sys.argv) > 4 else None
 engine = Engine.load(f"dummy:{preset}", device="cuda", progress=False, max_model_len=mml,
                      kv_cache_bytes=4 << 30)
@@ -259,8 +259,9 @@ if preset == "qwen3-30b-a3b":  # issue 23's batch 1: the one-row MoE block's lau
         base = statistics.mean([r["step_us"] for r in out if r["variant"].startswith("base") and r["batch"] == batch])
         winners = {}
         for r in out:
-            knob = getattr(variants[r["variant"]], "get", lambda key: None)("knob")  # (best itself is a function)
-            if r["batch"] == batch and "step_us" in r and knob and (base - r["step_us"]) / c.num_layers >= 0.3:
+            v = variants[r["variant"]]
+            knob = v.get("knob") if isinstance(v, dict) else None  # (best itself is a function)
+            if r["batch"] == batch and knob and (base - r["step_us"]) / c.num_layers >= 0.3:
                 if knob[0] not in winners or r["step_us"] < winners[knob[0]][0]:
                     winners[knob[0]] = (r["step_us"], r["variant"], knob[1])
         print("best of sweep:", {k: w[1] for k, w in winners.items()}, flush=True)
