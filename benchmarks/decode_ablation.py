@@ -413,6 +413,9 @@ def chunked_argmax(x, into):
 
 
 variants["chunked_argmax"] = {"patch": {(cuda_graphs, "greedy_tokens"): chunked_argmax}}
+# The MoE router in gate/up's launch (moe_gemv.ROUTER_IN_GATE_UP), or in a launch of its own
+variants["router_in_gate_up"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): True}, "rows": "one"}
+variants["router_apart"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): False}, "rows": "one"}
 if preset == "qwen3-30b-a3b":
     variants["best"] = best_of_sweep  # last but base2: after every knob it picks from
 variants["base2"] = {}

@@ -158,6 +158,10 @@ for name in "$@"; do
         # what the MoE batch-1 step costs outside its blocks, and each piece of a block in the chain
         moe-outside) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_head,skip_layers,skip_layers_head,skip_attention,skip_wqkv,skip_wo,skip_router,skip_experts,skip_down,skip_router_route_experts,base2 ;;
+        # the MoE router inside gate/up's launch: its race check, then the step with and without it
+        moe-routed) step "$name-check" 120 python ../scripts/gpu_routed_gate_up_check.py --out "$OUT/routed-check.json"
+            step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
+                base,router_in_gate_up,router_apart,base2 ;;
         # every one-row knob of the MoE step's batch 1 (about 2 s each after the load), the best of each together
         moe-sweep-all) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,flat_none,flat_all,no_early_loads,no_early_tile,skip_attention,skip_wqkv,skip_wo,wqkv:4x2048w2,\

@@ -43,6 +43,9 @@ _silu_mul = None
 # names up in the module that defines it, here for the kernels below.
 _route_token = None
 _wait_for_previous = None  # launch's PDL wait, bound by _kernels() likewise
+_sl_load_weight = _sl_activation_tile = _sl_product = None  # small_linear's steps, for the router's programs
+_gate_up_program = _router_program = None  # the kernels' bodies, bound by _kernels()
+_routed_gate_up_kernel = None  # the router and gate/up in one launch (ROUTER_IN_GATE_UP), bound by _kernels()
 
 
 SMALL_EXPERT = 1024  # an expert's intermediate size up to which one token takes ``gemv_config``'s one-warp shapes
@@ -98,9 +101,10 @@ def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return _launch_gemvs(x, w13, w2, k, topk_ids.reshape(-1), weights, config=config)
 
 
-def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=False, norm_weight=None, eps=0.0,
-                  residual=None, config=None) -> torch.Tensor:
-    """The gate/up and down GEMVs (``ids``, ``weights`` [T * k]: read, or written from ``logits`` [T, E])."""
+def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, renormalize=False, norm_weight=None,
+                  eps=0.0, residual=None, config=None) -> torch.Tensor:
+    """The gate/up and down GEMVs (``ids``, ``weights`` [T * k]: read, or written from ``logits`` [T, E]);
+    with ``router`` ([E, D], one token, a norm), the logits are written first by the gate/up launch itself."""
     num_tokens = x.shape[0]
     num_experts, inter2, hidden = w13.shape
     inter = inter2 // 2
@@ -113,18 +117,46 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
     if num_tokens == 0:
         return out
     route = logits is not None
-    gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w13, ids, h, logits if route else x, weights, x if norm_weight is None else norm_weight, eps,
-        x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
-        I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
-        ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), **up, **launch.pdl(gate_up_kernel, x))
+    routed = router is not None
+    if routed:
+        assert num_tokens == 1 and route and norm_weight is not None and router.stride() == (hidden, 1)
+        counter = _router_counter(x.device)
+        rows = ROUTER_CONFIG["block_n"]
+        router_k = min(ROUTER_CONFIG["block_k"], triton.next_power_of_2(hidden))
+        router_programs = triton.cdiv(num_experts, rows)
+        _routed_gate_up_kernel[(router_programs + top_k * triton.cdiv(inter, up["BLOCK_N"]),)](
+            x, router, w13, ids, h, logits, weights, norm_weight, counter, eps, w13.stride(0), w13.stride(1),
+            num_experts, I=inter, D=hidden, TOP_K=top_k, EVEN_K=hidden % up["BLOCK_K"] == 0,
+            RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+            ROUTER_PROGRAMS=router_programs, ROUTER_ROWS=rows, ROUTER_BLOCK_K=router_k,
+            ROUTER_EVEN_K=hidden % router_k == 0, **up, **launch.pdl(_routed_gate_up_kernel, x))
+    else:
+        counter = ids  # unread
+        gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_N"]))](
+            x, w13, ids, h, logits if route else x, weights, x if norm_weight is None else norm_weight, eps,
+            x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
+            I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
+            ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
+            E_PAD=triton.next_power_of_2(num_experts), **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, x if residual is None else residual, out, w2.stride(0), w2.stride(1),
+        h, w2, ids, weights, x if residual is None else residual, out, counter, w2.stride(0), w2.stride(1),
         0 if residual is None else residual.stride(0), out.stride(0),
         D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        **down, **launch.pdl(down_kernel, x))
+        RESET_COUNTER=routed, **down, **launch.pdl(down_kernel, x))
     return out
+
+
+_counters: dict = {}
+
+
+def _router_counter(device: torch.device) -> torch.Tensor:
+    """The routed gate/up launch's count of finished router programs: an int32 zeroed once (warm-up, before
+    any graph is captured) and set back to 0 by the down kernel after it, whose wait on gate/up has every
+    program's read of it behind it. Launches on one stream never overlap, so every layer shares it."""
+    have = _counters.get(device)
+    if have is None:
+        have = _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return have
 
 
 # The router's launch shape in the one-row layer: 4 of its E rows a program, each row whole in one
@@ -138,6 +170,12 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=F
 # results 2026-12-06-h100-argmax-triggers-4ece645.json).
 ROUTER_CONFIG = dict(block_n=4, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True, flat_row=True,
                      trigger_first=True)
+
+
+# One token's router in gate/up's launch: its logits taken by the first programs of that grid, which the
+# rest wait on through a count in memory instead of a launch boundary (``moe_routed_gate_up_kernel``).
+# A module value for A/B runs (decode_ablation.py router_in_gate_up).
+ROUTER_IN_GATE_UP = False
 
 
 def router_config(num_experts: int, hidden: int):
@@ -192,10 +230,14 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
       as ``moe_one_row_reference``'s; config: the GEMVs' launch shapes (``gemv_config``'s default).
     """
     num_tokens = h.shape[0]
-    logits = small_linear.small_linear_triton(h, router, norm_weight=norm_weight, eps=eps,
-                                              config=router_config(*router.shape))
     ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=h.device)
+    if ROUTER_IN_GATE_UP and num_tokens == 1:
+        logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=h.device)
+        return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, router=router, renormalize=renormalize,
+                             norm_weight=norm_weight, eps=eps, residual=h, config=config)
+    logits = small_linear.small_linear_triton(h, router, norm_weight=norm_weight, eps=eps,
+                                              config=router_config(*router.shape))
     return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, renormalize=renormalize,
                          norm_weight=norm_weight, eps=eps, residual=h, config=config)
 
@@ -203,38 +245,39 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
 @functools.cache
 def _kernels():
     """(GEMV gate/up kernel, GEMV down kernel), JIT-ed at first use."""
-    global triton, tl, _silu_mul, _route_token, _wait_for_previous
+    global triton, tl, _silu_mul, _route_token, _wait_for_previous, _sl_load_weight, _sl_activation_tile, _sl_product
     import triton
     import triton.language as tl
+
+    small_linear._kernel()  # binds its steps
+    _sl_load_weight, _sl_activation_tile, _sl_product = (small_linear._load_weight, small_linear._activation_tile,
+                                                         small_linear._product)
 
     _silu_mul = activation.jit_silu_mul()
     _route_token = moe_routing.jit_route_token()
     _wait_for_previous = launch.jit_wait_for_previous()
 
     @triton.jit
-    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
-                                stride_xt, stride_we, stride_wn, stride_lt, num_experts,
-                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # h[slot, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N of the I outputs of the slot's expert.
+    def gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
+                        stride_xt, stride_we, stride_wn, stride_lt, num_experts,
+                        I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
+                        E_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # h[slot, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N of the I outputs of the slot's expert,
+        # outputs ``col_block`` (after the wait on whatever wrote x and the logits or ids).
         # ROUTE: the expert comes from the token's router logits (``route_token``, recomputed by
         # every program: a few reductions over E, in place of a launch), and the programs of the
         # first output block store each slot's id and weight for the down kernel.
         # NORM: x is the residual stream, RMSNorm(x) * norm_w taken on the way (small_linear's
         # prologue: rstd applied to the fp32 products).
-        slot = tl.program_id(0)
         token = (slot // TOP_K).to(tl.int64)
-        if PDL:  # x, the logits or the ids come from the kernels before
-            _wait_for_previous(False)
         if ROUTE:
             top_w, top_i, expert = _route_token(logits_ptr + token * stride_lt, num_experts, slot % TOP_K, TOP_K,
                                                 K_PAD, E_PAD, RENORMALIZE)
             expert = expert.to(tl.int64)
         else:
             expert = tl.load(ids_ptr + slot).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         # The last program's spare outputs re-read row I - 1 instead of masking: the weight
         # loads, the whole cost, stay unmasked along N.
         gate_rows = w13_ptr + expert * stride_we + tl.minimum(cols, I - 1).to(tl.int64)[:, None] * stride_wn
@@ -272,15 +315,92 @@ def _kernels():
             # The slot's id and weight for the down kernel, stored last: stores ahead of the weight loads
             # would hold them back behind the softmax that only the weight needs.
             picks = tl.arange(0, K_PAD)
-            mine = (picks == slot % TOP_K) & (tl.program_id(1) == 0)
+            mine = (picks == slot % TOP_K) & (col_block == 0)
             tl.store(ids_ptr + slot + picks * 0, top_i, mask=mine)
             tl.store(weights_ptr + slot + picks * 0, top_w, mask=mine)
 
+    global _gate_up_program, _router_program
+    _gate_up_program = gate_up_program
+
     @triton.jit
-    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, stride_we, stride_wn,
-                             stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
+                                stride_xt, stride_we, stride_wn, stride_lt, num_experts,
+                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
+                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program per (slot, BLOCK_N outputs): ``gate_up_program``.
+        if PDL:  # x, the logits or the ids come from the kernels before
+            _wait_for_previous(False)
+        _gate_up_program(tl.program_id(0), tl.program_id(1), x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr,
+                         norm_w_ptr, eps, stride_xt, stride_we, stride_wn, stride_lt, num_experts, I, D, TOP_K,
+                         EVEN_K, ROUTE, RENORMALIZE, K_PAD, E_PAD, NORM, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def router_program(block, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts,
+                       D: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       PDL: tl.constexpr):
+        # One token's router logits ``block`` * ROWS on: small_linear's one-row product with the norm in
+        # its prologue (flat, the first tile loaded before the wait, the same roundings), then counted
+        # done on ``counter_ptr`` for the gate/up programs waiting on it.
+        rows = block * ROWS + tl.arange(0, ROWS)
+        w_rows = router_ptr + tl.minimum(rows, num_experts - 1).to(tl.int64)[:, None] * D
+        ks = tl.arange(0, BLOCK_K)
+        w_first = _sl_load_weight(w_rows, ks, D, EVEN_K)  # no earlier kernel's output
+        if PDL:  # x comes from the kernel before
+            _wait_for_previous(False)
+        dtype = x_ptr.dtype.element_ty
+        one = tl.arange(0, 1)
+        x_rows = x_ptr + one.to(tl.int64)[:, None]  # [1, 1]: the token's row
+        row_ok = one < 1
+        sum_sq = tl.zeros([1, BLOCK_K], tl.float32)
+        a, sum_sq = _sl_activation_tile(x_rows, ks, row_ok, sum_sq, norm_w_ptr, 1, dtype, D, 1)
+        acc = _sl_product(tl.zeros([1, ROWS], tl.float32), a, w_first, False, False, "ieee", True)
+        for k0 in range(BLOCK_K, D, BLOCK_K):
+            k = k0 + ks
+            a, sum_sq = _sl_activation_tile(x_rows, k, row_ok, sum_sq, norm_w_ptr, 1, dtype, D, 1)
+            acc = _sl_product(acc, a, _sl_load_weight(w_rows, k, D, EVEN_K), False, False, "ieee", True)
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / D + eps)[:, None]
+        tl.store(logits_ptr + rows[None, :], (acc * rstd).to(dtype), mask=(rows < num_experts)[None, :])
+        # Every thread's stores, then one release: whoever acquires the full count sees them all.
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+    _router_program = router_program
+
+    @triton.jit
+    def moe_routed_gate_up_kernel(x_ptr, router_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr,
+                                  counter_ptr, eps, stride_we, stride_wn, num_experts,
+                                  I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                  RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                                  PDL: tl.constexpr, ROUTER_PROGRAMS: tl.constexpr, ROUTER_ROWS: tl.constexpr,
+                                  ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One token's router and gate/up in one grid (``ROUTER_IN_GATE_UP``): its first ROUTER_PROGRAMS
+        # programs take the router's logits, the rest (slot fastest) gate/up's outputs once all of those
+        # are counted. The router's are the lowest program ids: dispatched first, they never wait on a
+        # program that is not resident, so the spinning ones cannot starve them.
+        pid = tl.program_id(0)
+        if pid < ROUTER_PROGRAMS:
+            _router_program(pid, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts, D,
+                            ROUTER_ROWS, ROUTER_BLOCK_K, ROUTER_EVEN_K, PDL)
+        else:
+            if PDL:  # x comes from the kernel before
+                _wait_for_previous(False)
+            done = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            while done < ROUTER_PROGRAMS:
+                done = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()  # the logits' loads after the acquire, in every thread
+            p = pid - ROUTER_PROGRAMS
+            _gate_up_program(p % TOP_K, p // TOP_K, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr,
+                             norm_w_ptr, eps, 0, stride_we, stride_wn, 0, num_experts, I, D, TOP_K,
+                             EVEN_K, True, RENORMALIZE, K_PAD, E_PAD, True, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, counter_ptr, stride_we,
+                             stride_wn, stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESET_COUNTER: tl.constexpr,
+                             PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
         # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
         # (the residual stream's add, in x's dtype as eager ``h + moe(x)``).
@@ -292,6 +412,9 @@ def _kernels():
         total = tl.zeros([BLOCK_N], tl.float32)
         if PDL:  # h, the ids and weights come from the kernels before
             _wait_for_previous(False)
+        if RESET_COUNTER:  # the routed gate/up's count, all read by now: zero for the next layer's
+            if (token == 0) & (tl.program_id(1) == 0):
+                tl.store(counter_ptr, 0)
         # Unrolled over the picks. On several warps each pick's reduction crosses them (a barrier)
         # and keeps the next pick's loads behind it (sm_90 PTX); one warp (one token's shape,
         # gemv_config) reduces inside the warp, with no barrier. Every pick's row loaded at once, one
@@ -325,4 +448,6 @@ def _kernels():
         tl.store(out_ptr + token * stride_ot + cols, y, mask=cols < D)
 
 
+    global _routed_gate_up_kernel
+    _routed_gate_up_kernel = moe_routed_gate_up_kernel
     return moe_gemv_gate_up_kernel, moe_gemv_down_kernel
