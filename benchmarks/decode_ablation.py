@@ -416,6 +416,10 @@ variants["chunked_argmax"] = {"patch": {(cuda_graphs, "greedy_tokens"): chunked_
 # The MoE router in gate/up's launch (moe_gemv.ROUTER_IN_GATE_UP), or in a launch of its own
 variants["router_in_gate_up"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): True}, "rows": "one"}
 variants["router_apart"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): False}, "rows": "one"}
+# wo waiting on the split-KV reduce's count of its programs (paged_attention.REDUCE_COUNT), or on its completion
+variants["reduce_count"] = {"patch": {(pa, "REDUCE_COUNT"): True}, "rows": "one"}
+variants["reduce_waited"] = {"patch": {(pa, "REDUCE_COUNT"): False}, "rows": "one"}
+variants["both_counts"] = {"patch": {(pa, "REDUCE_COUNT"): True, (moe_gemv, "ROUTER_IN_GATE_UP"): True}, "rows": "one"}
 if preset == "qwen3-30b-a3b":
     variants["best"] = best_of_sweep  # last but base2: after every knob it picks from
 variants["base2"] = {}

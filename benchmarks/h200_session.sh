@@ -158,10 +158,11 @@ for name in "$@"; do
         # what the MoE batch-1 step costs outside its blocks, and each piece of a block in the chain
         moe-outside) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_head,skip_layers,skip_layers_head,skip_attention,skip_wqkv,skip_wo,skip_router,skip_experts,skip_down,skip_router_route_experts,base2 ;;
-        # the MoE router inside gate/up's launch: its race check, then the step with and without it
-        moe-routed) step "$name-check" 120 python ../scripts/gpu_routed_gate_up_check.py --out "$OUT/routed-check.json"
+        # kernels waiting on a count in memory (the MoE router inside gate/up's launch, wo on the split-KV
+        # reduce's count): their race check, then the step with and without them
+        count-edges) step "$name-check" 150 python ../scripts/gpu_count_edges_check.py --out "$OUT/count-edges-check.json"
             step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
-                base,router_in_gate_up,router_apart,base2 ;;
+                base,router_in_gate_up,reduce_count,both_counts,base2 ;;
         # every one-row knob of the MoE step's batch 1 (about 2 s each after the load), the best of each together
         moe-sweep-all) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,flat_none,flat_all,no_early_loads,no_early_tile,skip_attention,skip_wqkv,skip_wo,wqkv:4x2048w2,\

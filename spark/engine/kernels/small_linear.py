@@ -286,6 +286,7 @@ def small_linear_triton(
     gated_output: bool = False,
     config: Config | None = None,
     out_dtype: torch.dtype | None = None,
+    wait_count: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """`pro(x) @ weight.T (+ residual)` in one kernel (Triton); arguments as `small_linear_reference`.
 
@@ -300,6 +301,9 @@ def small_linear_triton(
         tensor-core (`use_dot`) one with `gated_output`.
       out_dtype: the output's dtype, x's when None; the values are x's dtype's all the same (a
         head's fp32 logits come out as the projection and a cast would give them, one launch less).
+      wait_count: (an int32 count, n): x's writer counts its programs there as they finish
+        (`paged_attention.counted_output`); the kernel waits for n of them in place of PDL's wait on
+        the kernel before's completion.
 
     Returns:
       `[M, N]` contiguous (`[M, N / 2]` with `gated_output`), in `out_dtype`.
@@ -327,7 +331,7 @@ def small_linear_triton(
     assert cfg.split_k == 1, "a split K writes partials: small_linear_split_k_triton"
     prologue = _NORM if norm_weight is not None else _GATED if gated else _PLAIN
     _launch(x, weight, out, cfg, prologue=prologue, norm_weight=norm_weight, eps=eps, residual=residual,
-            gated_output=gated_output)
+            gated_output=gated_output, wait_count=wait_count)
     return out
 
 
@@ -379,7 +383,7 @@ def small_linear_split_k_triton(x: torch.Tensor, weight: torch.Tensor, config: C
 
 
 def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, eps=0.0, residual=None,
-            gated_output=False, partials=False) -> None:
+            gated_output=False, partials=False, wait_count=None) -> None:
     """One launch of the kernel into `out` (`[M, N]`, or `[split_k, M, N]` fp32 `partials`)."""
     m, n, k = x.shape[0], out.shape[-1], weight.shape[1]
     kernel = _kernel()
@@ -387,14 +391,14 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
     # Without a norm or a residual the kernel never touches those pointers; x fills them.
     kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
-        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+        x if wait_count is None else wait_count[0], m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
         K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
-        TRIGGER_FIRST=cfg.trigger_first,
+        TRIGGER_FIRST=cfg.trigger_first, WAIT_COUNT=0 if wait_count is None else wait_count[1],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -466,7 +470,7 @@ def _kernel():
 
     @triton.jit
     def small_linear_kernel(
-        x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr,
+        x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr, count_ptr,
         M, N, stride_xm, stride_xk, stride_wn, stride_rm, eps,
         # K is a compile-time constant: a model has a handful of them, the K loop gets a
         # static trip count (pipelined, and a plain `range` the interpreter can run).
@@ -474,7 +478,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
-        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
+        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr, WAIT_COUNT: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -491,8 +495,15 @@ def _kernel():
             # The weights are no earlier kernel's output: the first tile loads before the
             # wait, in flight while the previous kernel drains (see `Config.early_tile`).
             w_first = _load_weight(w_rows, ks, K, EVEN_K)
-        if PDL:  # x and the residual come from earlier kernels
+        if PDL and WAIT_COUNT == 0:  # x and the residual come from earlier kernels
             _wait_for_previous(TRIGGER_FIRST)
+        if WAIT_COUNT > 0:  # x's writer counts its programs done: wait for all of them instead
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+            done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+            while done < WAIT_COUNT:
+                done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()  # x's loads after the acquire, in every thread
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn

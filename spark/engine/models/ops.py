@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
-from spark.engine.kernels import activation, embedding, fp8, fused_moe, moe_gemv, moe_routing, norm, small_linear
+from spark.engine.kernels import (activation, embedding, fp8, fused_moe, moe_gemv, moe_routing, norm, paged_attention,
+                                  small_linear)
 from spark.engine.kv_cache import pages_and_scale
 
 if TYPE_CHECKING:
@@ -167,8 +168,9 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
     attn, ffn, tp = block.attention, block.feed_forward, block.tp
     qkv = small_linear.small_linear_triton(
         h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
-    h = tp.reduce(small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight,
-                                                   residual=h if tp.leads else None))
+    attended = attn.attend(qkv, rope, k_cache, v_cache, meta)
+    h = tp.reduce(small_linear.small_linear_triton(attended, attn.wo.weight, residual=h if tp.leads else None,
+                                                   wait_count=paged_attention.counted_output(attended)))
     if ffn.routed:  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
         assert tp.world_size == 1, "MoE layers are not split over ranks"
         return moe_gemv.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
