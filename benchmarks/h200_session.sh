@@ -160,7 +160,7 @@ for name in "$@"; do
             base,skip_head,skip_layers,skip_layers_head,skip_attention,skip_wqkv,skip_wo,skip_router,skip_experts,skip_down,skip_router_route_experts,base2 ;;
         # kernels waiting on a count in memory (the MoE router inside gate/up's launch, wo on the split-KV
         # reduce's count): their race check, then the step with and without them
-        count-edges) step "$name-check" 150 python ../scripts/gpu_count_edges_check.py --out "$OUT/count-edges-check.json"
+        count-edges) step "$name-check" 100 python ../scripts/gpu_count_edges_check.py --replays 30 --out "$OUT/count-edges-check.json"
             step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
                 base,router_in_gate_up,reduce_count,both_counts,base2 ;;
         # every one-row knob of the MoE step's batch 1 (about 2 s each after the load), the best of each together

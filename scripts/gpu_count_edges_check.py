@@ -44,6 +44,16 @@ def replayed(step, replays: int) -> tuple[torch.Tensor, int]:
     return first, varying
 
 
+def replayed_with(module, flag: str, step, replays: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(``replayed(step)`` with ``module.flag`` on, and ``step()``'s eager output with it off)."""
+    without = step()
+    setattr(module, flag, True)
+    try:
+        return (*replayed(step, replays), without)
+    finally:
+        setattr(module, flag, False)
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return round((a.float() - b.float()).abs().max().item() / b.float().abs().max().item(), 5)
 
@@ -66,12 +76,7 @@ def moe_case(gen, layers: int, replays: int) -> dict:
             h = moe_gemv.moe_one_row_triton(h, *weights)
         return h
 
-    apart = step()
-    moe_gemv.ROUTER_IN_GATE_UP = True
-    try:
-        first, varying = replayed(step, replays)
-    finally:
-        moe_gemv.ROUTER_IN_GATE_UP = False
+    first, varying, apart = replayed_with(moe_gemv, "ROUTER_IN_GATE_UP", step, replays)
     return {"edge": "router_in_gate_up", "varying_replays": varying,
             "count_after": int(moe_gemv._router_counter(h0.device).item()), "rel_err_vs_without": relative(first, apart)}
 
@@ -102,12 +107,7 @@ def attention_case(gen, layers: int, replays: int, context: int = 272, num_split
                                                  wait_count=paged_attention.counted_output(attended))
         return h
 
-    plain = step()
-    paged_attention.REDUCE_COUNT = True
-    try:
-        first, varying = replayed(step, replays)
-    finally:
-        paged_attention.REDUCE_COUNT = False
+    first, varying, plain = replayed_with(paged_attention, "REDUCE_COUNT", step, replays)
     return {"edge": "reduce_count", "varying_replays": varying, "rel_err_vs_without": relative(first, plain)}
 
 
