@@ -81,3 +81,31 @@ def jit_wait_for_previous():
             tl.extra.cuda.gdc_launch_dependents()
 
     return wait_for_previous
+
+
+@functools.cache
+def jit_counts():
+    """The @triton.jit ``(count_done(count_ptr), wait_for_count(count_ptr, N))``, JIT-ed once: a dependency
+    between programs through an int32 count in memory, where a kernel would otherwise wait on the whole
+    kernel before it (PDL's wait: that grid's completion). Each producer program counts itself done after
+    its stores (a CTA barrier, then one release add); the consumer spins on a load-acquire until N have,
+    then lets every thread load (a barrier). A consumer must never be resident ahead of a producer that is
+    not: producers are an earlier kernel, or the lowest program ids of the same grid (dispatched first).
+    Whoever owns the count zeroes it again between uses."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_done(count_ptr):
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def wait_for_count(count_ptr, N: tl.constexpr):
+        done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")  # compiled to a load-acquire
+        while done < N:
+            done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()  # every thread's loads after the acquire
+
+    return count_done, wait_for_count

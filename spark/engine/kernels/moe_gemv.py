@@ -20,7 +20,9 @@ Decode's one row goes further (``moe_one_row_triton``, the MoE block's part of `
 the router's GEMV takes the RMSNorm in its prologue, every gate/up program routes its token from
 the logits itself (moe_routing.py's ``route_token``: no routing launch) and normalises x on the way, and the
 down kernel adds the residual: three launches, all with PDL, for the norm, router, routing, experts,
-combine and residual add.
+combine and residual add. With ``ROUTER_IN_GATE_UP`` (off until measured on a GPU) one token's router
+rides in gate/up's launch: two launches, gate/up's programs waiting on the router's through a count in
+memory (``launch.jit_counts``) instead of on a kernel boundary.
 
 Both read the weights in fused_moe.py's layout (rows contiguous along K), the big-batch layout.
 With the reference's roundings (gate and up rounded before the SwiGLU, each pick's product
@@ -43,6 +45,7 @@ _silu_mul = None
 # names up in the module that defines it, here for the kernels below.
 _route_token = None
 _wait_for_previous = None  # launch's PDL wait, bound by _kernels() likewise
+_count_done = _wait_for_count = None  # launch's counts between programs, bound by _kernels() likewise
 _sl_load_weight = _sl_activation_tile = _sl_product = None  # small_linear's steps, for the router's programs
 _gate_up_program = _router_program = None  # the kernels' bodies, bound by _kernels()
 _routed_gate_up_kernel = None  # the router and gate/up in one launch (ROUTER_IN_GATE_UP), bound by _kernels()
@@ -245,7 +248,8 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
 @functools.cache
 def _kernels():
     """(GEMV gate/up kernel, GEMV down kernel), JIT-ed at first use."""
-    global triton, tl, _silu_mul, _route_token, _wait_for_previous, _sl_load_weight, _sl_activation_tile, _sl_product
+    global triton, tl, _silu_mul, _route_token, _wait_for_previous, _count_done, _wait_for_count
+    global _sl_load_weight, _sl_activation_tile, _sl_product
     import triton
     import triton.language as tl
 
@@ -256,6 +260,7 @@ def _kernels():
     _silu_mul = activation.jit_silu_mul()
     _route_token = moe_routing.jit_route_token()
     _wait_for_previous = launch.jit_wait_for_previous()
+    _count_done, _wait_for_count = launch.jit_counts()
 
     @triton.jit
     def gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
@@ -362,9 +367,7 @@ def _kernels():
             acc = _sl_product(acc, a, _sl_load_weight(w_rows, k, D, EVEN_K), False, False, "ieee", True)
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / D + eps)[:, None]
         tl.store(logits_ptr + rows[None, :], (acc * rstd).to(dtype), mask=(rows < num_experts)[None, :])
-        # Every thread's stores, then one release: whoever acquires the full count sees them all.
-        tl.debug_barrier()
-        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+        _count_done(counter_ptr)
 
     _router_program = router_program
 
@@ -387,10 +390,7 @@ def _kernels():
         else:
             if PDL:  # x comes from the kernel before
                 _wait_for_previous(False)
-            done = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-            while done < ROUTER_PROGRAMS:
-                done = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # the logits' loads after the acquire, in every thread
+            _wait_for_count(counter_ptr, ROUTER_PROGRAMS)  # the logits
             p = pid - ROUTER_PROGRAMS
             _gate_up_program(p % TOP_K, p // TOP_K, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr,
                              norm_w_ptr, eps, 0, stride_we, stride_wn, 0, num_experts, I, D, TOP_K,

@@ -36,6 +36,7 @@ _partition = _partitions_used = None  # the keys of one split-KV program; how ma
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
 _wait_for_previous = None  # launch's PDL wait, for the decode kernel and the reduce
+_count_done = None  # launch's count of finished programs, for the reduce (REDUCE_COUNT)
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
@@ -414,9 +415,10 @@ def _kernels():
     import triton.language as tl
 
     global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _partitions_used, _quantize, _head_norm
-    global _wait_for_previous
+    global _wait_for_previous, _count_done
     _quantize = fp8.jit_quantize()
     _wait_for_previous = launch.jit_wait_for_previous()
+    _count_done, _ = launch.jit_counts()
     _head_norm = norm.jit_head_norm()
     _attend_keys = key_block.attend_keys()
     _load_block, _attend_block = key_block.steps()
@@ -627,8 +629,7 @@ def _kernels():
         o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
-        if COUNT:  # every thread's stores, then one release: whoever acquires the full count sees them
-            tl.debug_barrier()
-            tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+        if COUNT:  # for the kernel after, waiting on the count (REDUCE_COUNT)
+            _count_done(count_ptr)
 
     return decode_kernel, reduce_kernel

@@ -48,7 +48,7 @@ triton = None
 tl = None
 _silu_mul = None  # activation's SwiGLU gate, bound by `_kernel()`: the same bits as the unfused kernel
 _load_weight = _activation_tile = _product = None  # the kernel's steps, bound by `_kernel()` for it to call
-_wait_for_previous = None  # launch's PDL wait, bound by `_kernel()` likewise
+_wait_for_previous = _wait_for_count = None  # launch's PDL wait and count wait, bound by `_kernel()` likewise
 
 MAX_ROWS = 64
 MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
@@ -407,13 +407,14 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
-    global triton, tl, _silu_mul, _wait_for_previous
+    global triton, tl, _silu_mul, _wait_for_previous, _wait_for_count
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     _silu_mul = activation.jit_silu_mul()
     _wait_for_previous = launch.jit_wait_for_previous()
+    _, _wait_for_count = launch.jit_counts()
 
     @triton.jit
     def load_weight(w_rows, k, K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -500,10 +501,7 @@ def _kernel():
         if WAIT_COUNT > 0:  # x's writer counts its programs done: wait for all of them instead
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
-            done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-            while done < WAIT_COUNT:
-                done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # x's loads after the acquire, in every thread
+            _wait_for_count(count_ptr, WAIT_COUNT)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn
