@@ -48,7 +48,6 @@ _wait_for_previous = None  # launch's PDL wait, bound by _kernels() likewise
 _count_done = _wait_for_count = None  # launch's counts between programs, bound by _kernels() likewise
 _sl_load_weight = _sl_activation_tile = _sl_product = None  # small_linear's steps, for the router's programs
 _gate_up_program = _router_program = None  # the kernels' bodies, bound by _kernels()
-_routed_gate_up_kernel = None  # the router and gate/up in one launch (ROUTER_IN_GATE_UP), bound by _kernels()
 
 
 SMALL_EXPERT = 1024  # an expert's intermediate size up to which one token takes ``gemv_config``'s one-warp shapes
@@ -121,26 +120,23 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, 
         return out
     route = logits is not None
     routed = router is not None
-    if routed:
+    blocks = triton.cdiv(inter, up["BLOCK_N"])
+    router_k = min(ROUTER_CONFIG["block_k"], triton.next_power_of_2(hidden))
+    router_programs = triton.cdiv(num_experts, ROUTER_CONFIG["block_n"]) if routed else 0
+    if routed:  # one grid: the router's programs first, then gate/up's (one token's)
         assert num_tokens == 1 and route and norm_weight is not None and router.stride() == (hidden, 1)
-        counter = _router_counter(x.device)
-        rows = ROUTER_CONFIG["block_n"]
-        router_k = min(ROUTER_CONFIG["block_k"], triton.next_power_of_2(hidden))
-        router_programs = triton.cdiv(num_experts, rows)
-        _routed_gate_up_kernel[(router_programs + top_k * triton.cdiv(inter, up["BLOCK_N"]),)](
-            x, router, w13, ids, h, logits, weights, norm_weight, counter, eps, w13.stride(0), w13.stride(1),
-            num_experts, I=inter, D=hidden, TOP_K=top_k, EVEN_K=hidden % up["BLOCK_K"] == 0,
-            RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-            ROUTER_PROGRAMS=router_programs, ROUTER_ROWS=rows, ROUTER_BLOCK_K=router_k,
-            ROUTER_EVEN_K=hidden % router_k == 0, **up, **launch.pdl(_routed_gate_up_kernel, x))
+        counter, grid = _router_counter(x.device), (router_programs + top_k * blocks,)
     else:
-        counter = ids  # unread
-        gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_N"]))](
-            x, w13, ids, h, logits if route else x, weights, x if norm_weight is None else norm_weight, eps,
-            x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
-            I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
-            ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
-            E_PAD=triton.next_power_of_2(num_experts), **up, **launch.pdl(gate_up_kernel, x))
+        counter, grid = ids, (num_tokens * top_k, blocks)  # unread
+    gate_up_kernel[grid](
+        x, x if router is None else router, w13, ids, h, logits if route else x, weights,
+        x if norm_weight is None else norm_weight, counter, eps,
+        x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
+        I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
+        ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts), ROUTER_PROGRAMS=router_programs,
+        ROUTER_ROWS=ROUTER_CONFIG["block_n"], ROUTER_BLOCK_K=router_k, ROUTER_EVEN_K=hidden % router_k == 0,
+        **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, w2, ids, weights, x if residual is None else residual, out, counter, w2.stride(0), w2.stride(1),
         0 if residual is None else residual.stride(0), out.stride(0),
@@ -176,7 +172,7 @@ ROUTER_CONFIG = dict(block_n=4, block_k=2048, num_warps=2, defer_reduce=False, e
 
 
 # One token's router in gate/up's launch: its logits taken by the first programs of that grid, which the
-# rest wait on through a count in memory instead of a launch boundary (``moe_routed_gate_up_kernel``).
+# rest wait on through a count in memory instead of a launch boundary (``moe_gemv_gate_up_kernel``).
 # A module value for A/B runs (decode_ablation.py router_in_gate_up).
 ROUTER_IN_GATE_UP = False
 
@@ -328,20 +324,6 @@ def _kernels():
     _gate_up_program = gate_up_program
 
     @triton.jit
-    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
-                                stride_xt, stride_we, stride_wn, stride_lt, num_experts,
-                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One program per (slot, BLOCK_N outputs): ``gate_up_program``.
-        if PDL:  # x, the logits or the ids come from the kernels before
-            _wait_for_previous(False)
-        _gate_up_program(tl.program_id(0), tl.program_id(1), x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr,
-                         norm_w_ptr, eps, stride_xt, stride_we, stride_wn, stride_lt, num_experts, I, D, TOP_K,
-                         EVEN_K, ROUTE, RENORMALIZE, K_PAD, E_PAD, NORM, BLOCK_N, BLOCK_K)
-
-    @triton.jit
     def router_program(block, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts,
                        D: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        PDL: tl.constexpr):
@@ -372,29 +354,33 @@ def _kernels():
     _router_program = router_program
 
     @triton.jit
-    def moe_routed_gate_up_kernel(x_ptr, router_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr,
-                                  counter_ptr, eps, stride_we, stride_wn, num_experts,
-                                  I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                                  RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                                  PDL: tl.constexpr, ROUTER_PROGRAMS: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-                                  ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One token's router and gate/up in one grid (``ROUTER_IN_GATE_UP``): its first ROUTER_PROGRAMS
-        # programs take the router's logits, the rest (slot fastest) gate/up's outputs once all of those
-        # are counted. The router's are the lowest program ids: dispatched first, they never wait on a
-        # program that is not resident, so the spinning ones cannot starve them.
-        pid = tl.program_id(0)
-        if pid < ROUTER_PROGRAMS:
-            _router_program(pid, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts, D,
-                            ROUTER_ROWS, ROUTER_BLOCK_K, ROUTER_EVEN_K, PDL)
-        else:
-            if PDL:  # x comes from the kernel before
-                _wait_for_previous(False)
+    def moe_gemv_gate_up_kernel(x_ptr, router_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr,
+                                counter_ptr, eps, stride_xt, stride_we, stride_wn, stride_lt, num_experts,
+                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
+                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                                ROUTER_PROGRAMS: tl.constexpr, ROUTER_ROWS: tl.constexpr,
+                                ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program per (slot, BLOCK_N outputs): ``gate_up_program``, in a grid of (slots, output blocks).
+        # ROUTER_PROGRAMS > 0 (``ROUTER_IN_GATE_UP``, one token): a flat grid whose first ROUTER_PROGRAMS
+        # programs take the router's logits, the rest (slot fastest) gate/up's outputs once all of those are
+        # counted. The router's are the lowest program ids: dispatched first, they never wait on a program
+        # that is not resident, so the spinning ones cannot starve them.
+        slot, col_block = tl.program_id(0), tl.program_id(1)
+        if ROUTER_PROGRAMS > 0:
+            if slot < ROUTER_PROGRAMS:
+                _router_program(slot, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts, D,
+                                ROUTER_ROWS, ROUTER_BLOCK_K, ROUTER_EVEN_K, PDL)
+                return
+            slot, col_block = (slot - ROUTER_PROGRAMS) % TOP_K, (slot - ROUTER_PROGRAMS) // TOP_K
+        if PDL:  # x, the logits or the ids come from the kernels before
+            _wait_for_previous(False)
+        if ROUTER_PROGRAMS > 0:
             _wait_for_count(counter_ptr, ROUTER_PROGRAMS)  # the logits
-            p = pid - ROUTER_PROGRAMS
-            _gate_up_program(p % TOP_K, p // TOP_K, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr,
-                             norm_w_ptr, eps, 0, stride_we, stride_wn, 0, num_experts, I, D, TOP_K,
-                             EVEN_K, True, RENORMALIZE, K_PAD, E_PAD, True, BLOCK_N, BLOCK_K)
+        _gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
+                         stride_xt, stride_we, stride_wn, stride_lt, num_experts, I, D, TOP_K, EVEN_K, ROUTE,
+                         RENORMALIZE, K_PAD, E_PAD, NORM, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, counter_ptr, stride_we,
@@ -447,7 +433,4 @@ def _kernels():
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(out_ptr + token * stride_ot + cols, y, mask=cols < D)
 
-
-    global _routed_gate_up_kernel
-    _routed_gate_up_kernel = moe_routed_gate_up_kernel
     return moe_gemv_gate_up_kernel, moe_gemv_down_kernel
