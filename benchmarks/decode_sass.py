@@ -39,7 +39,7 @@ def compile_decode(cache: str, block_n: int, v_early: bool):
     odd_ints = {"group", "num_splits", "qk_scale_log2"}
     constants = dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, SPLIT=True, HALF_DOT=True,
                      PRECISION="tf32", ROPE=True, SCALED=cache == "fp8", FP8_V_EARLY=v_early, EARLY_LOADS=False,
-                     NUM_STAGES=2, PDL=False, RESET_COUNT=False)
+                     NUM_STAGES=2, PDL=False, RESET_COUNT=False, QK_NORM=False, EXIT_EMPTY=False)
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants or name in unit_strides:
