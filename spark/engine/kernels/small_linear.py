@@ -388,10 +388,11 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
     m, n, k = x.shape[0], out.shape[-1], weight.shape[1]
     kernel = _kernel()
     block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
-    # Without a norm or a residual the kernel never touches those pointers; x fills them.
+    # Without a norm, a residual or a count the kernel never touches those pointers; x fills them.
     kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
-        x if wait_count is None else wait_count[0], m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+        x if wait_count is None else wait_count[0],
+        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
         K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
