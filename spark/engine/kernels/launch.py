@@ -83,6 +83,18 @@ def jit_wait_for_previous():
     return wait_for_previous
 
 
+_counts: dict = {}
+
+
+def count(owner: str, device: torch.device) -> torch.Tensor:
+    """``owner``'s int32 count on ``device`` for ``jit_counts``: zeroed once, allocated at its first use (warm-up,
+    before any graph is captured, which then holds its address); the owner's kernels zero it between uses."""
+    have = _counts.get((owner, device))
+    if have is None:
+        have = _counts[(owner, device)] = torch.zeros(1, dtype=torch.int32, device=device)
+    return have
+
+
 @functools.cache
 def jit_counts():
     """The @triton.jit ``(count_done(count_ptr), wait_for_count(count_ptr, N))``, JIT-ed once: a dependency

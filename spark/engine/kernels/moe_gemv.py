@@ -145,17 +145,11 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, 
     return out
 
 
-_counters: dict = {}
-
-
 def _router_counter(device: torch.device) -> torch.Tensor:
-    """The routed gate/up launch's count of finished router programs: an int32 zeroed once (warm-up, before
-    any graph is captured) and set back to 0 by the down kernel after it, whose wait on gate/up has every
-    program's read of it behind it. Launches on one stream never overlap, so every layer shares it."""
-    have = _counters.get(device)
-    if have is None:
-        have = _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return have
+    """The routed gate/up launch's count of finished router programs (``launch.count``), set back to 0 by the
+    down kernel after it, whose wait on gate/up has every program's read of it behind it. Launches on one
+    stream never overlap, so every layer shares it."""
+    return launch.count("moe_router", device)
 
 
 # The router's launch shape in the one-row layer: 4 of its E rows a program, each row whole in one

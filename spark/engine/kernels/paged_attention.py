@@ -54,7 +54,6 @@ REDUCE_TRIGGER_FIRST = True
 # small_linear's ``wait_count``) waits on that count instead of on the reduce's completion (PDL's wait):
 # the decode kernel zeroes it. A module flag for A/B runs (decode_ablation.py reduce_count).
 REDUCE_COUNT = False
-_reduce_counts: dict = {}
 _counted = None  # (output's data_ptr, count, target) of the last launch whose reduce counted itself
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
@@ -375,13 +374,9 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
 
 
 def _reduce_count(device: torch.device) -> torch.Tensor:
-    """The reduce's count of finished programs (``REDUCE_COUNT``): an int32 allocated once, at warm-up
-    before any graph is captured; every launch's decode kernel zeroes it after its wait, by when the
-    kernel that waited on the last count has finished."""
-    have = _reduce_counts.get(device)
-    if have is None:
-        have = _reduce_counts[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return have
+    """The reduce's count of finished programs (``REDUCE_COUNT``, ``launch.count``): every launch's decode
+    kernel zeroes it after its wait, by when the kernel that waited on the last count has finished."""
+    return launch.count("split_kv_reduce", device)
 
 
 def counted_output(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
