@@ -163,6 +163,10 @@ for name in "$@"; do
         count-edges) step "$name-check" 100 python ../scripts/gpu_count_edges_check.py --replays 30 --out "$OUT/count-edges-check.json"
             step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
                 base,router_in_gate_up,reduce_count,both_counts,base2 ;;
+        # issue 23's batch-1 figure with both counted edges on, beside the default's in the same call
+        count-edges-b1) step "$name-base" 150 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json"
+            step "$name-both" 150 python with_flags.py moe_gemv.ROUTER_IN_GATE_UP,paged_attention.REDUCE_COUNT \
+                moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1-counts.json" ;;
         # every one-row knob of the MoE step's batch 1 (about 2 s each after the load), the best of each together
         moe-sweep-all) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,flat_none,flat_all,no_early_loads,no_early_tile,skip_attention,skip_wqkv,skip_wo,wqkv:4x2048w2,\
