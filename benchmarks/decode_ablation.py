@@ -420,6 +420,12 @@ variants["router_apart"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): False}, "
 variants["reduce_count"] = {"patch": {(pa, "REDUCE_COUNT"): True}, "rows": "one"}
 variants["reduce_waited"] = {"patch": {(pa, "REDUCE_COUNT"): False}, "rows": "one"}
 variants["both_counts"] = {"patch": {(pa, "REDUCE_COUNT"): True, (moe_gemv, "ROUTER_IN_GATE_UP"): True}, "rows": "one"}
+# the MoE down kernel waiting on gate/up's count of its programs (moe_gemv.DOWN_COUNT), alone and with the others
+variants["down_count"] = {"patch": {(moe_gemv, "DOWN_COUNT"): True}, "rows": "one"}
+variants["router_down_counts"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): True, (moe_gemv, "DOWN_COUNT"): True},
+                                  "rows": "one"}
+variants["all_counts"] = {"patch": {(pa, "REDUCE_COUNT"): True, (moe_gemv, "ROUTER_IN_GATE_UP"): True,
+                                    (moe_gemv, "DOWN_COUNT"): True}, "rows": "one"}
 if preset == "qwen3-30b-a3b":
     variants["best"] = best_of_sweep  # last but base2: after every knob it picks from
 variants["base2"] = {}

@@ -2,9 +2,11 @@
 
     python scripts/gpu_count_edges_check.py [--replays 100] [--layers 48] [--out FILE]
 
-Two such edges, each off by default until measured:
+Three such edges, each off by default until measured:
 - ``moe_gemv.ROUTER_IN_GATE_UP``: one token's router taken by gate/up's first programs, the rest waiting on
   their count; the down kernel zeroes it;
+- ``moe_gemv.DOWN_COUNT``: the down kernel waiting on gate/up's count of its programs; the projection before
+  the layer (wqkv's place, small_linear's ``reset_count``) zeroes it;
 - ``paged_attention.REDUCE_COUNT``: the split-KV reduce counts its programs, batch 1's wo
   (small_linear's ``wait_count``) waits on that count; the decode kernel zeroes it.
 A missing fence, a stale cached line or a reset that comes too early would show as a wrong or varying
@@ -44,21 +46,24 @@ def replayed(step, replays: int) -> tuple[torch.Tensor, int]:
     return first, varying
 
 
-def replayed_with(module, flag: str, step, replays: int) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """(``replayed(step)`` with ``module.flag`` on, and ``step()``'s eager output with it off)."""
+def replayed_with(flags, step, replays: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(``replayed(step)`` with every ``(module, flag)`` of ``flags`` on, and ``step()``'s eager output with
+    them off)."""
     without = step()
-    setattr(module, flag, True)
+    for module, flag in flags:
+        setattr(module, flag, True)
     try:
         return (*replayed(step, replays), without)
     finally:
-        setattr(module, flag, False)
+        for module, flag in flags:
+            setattr(module, flag, False)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return round((a.float() - b.float()).abs().max().item() / b.float().abs().max().item(), 5)
 
 
-def moe_case(gen, layers: int, replays: int) -> dict:
+def moe_case(gen, layers: int, replays: int, flags: tuple[str, ...]) -> dict:
     experts, top_k, hidden, inter = 128, 8, 2048, 768
 
     def rand(*shape, scale=1.0):
@@ -69,16 +74,23 @@ def moe_case(gen, layers: int, replays: int) -> dict:
         rand(experts, 2 * inter, hidden, scale=hidden ** -0.5), rand(experts, hidden, inter, scale=0.1 * inter ** -0.5), \
         top_k, True
     h0 = rand(1, hidden)
+    mix = rand(hidden, hidden, scale=0.1 * hidden ** -0.5)  # in wqkv's place: zeroes the down count after its wait
 
     def step():
         h = h0
+        count = moe_gemv.down_count(h0.device) if moe_gemv.DOWN_COUNT else None
         for _ in range(layers):
-            h = moe_gemv.moe_one_row_triton(h, *weights)
+            h = small_linear.small_linear_triton(h, mix, residual=h, reset_count=count)
+            h = moe_gemv.moe_one_row_triton(h, *weights, down_count=count)
         return h
 
-    first, varying, apart = replayed_with(moe_gemv, "ROUTER_IN_GATE_UP", step, replays)
-    return {"edge": "router_in_gate_up", "varying_replays": varying,
-            "count_after": int(moe_gemv._router_counter(h0.device).item()), "rel_err_vs_without": relative(first, apart)}
+    first, varying, apart = replayed_with([(moe_gemv, flag) for flag in flags], step, replays)
+    gate_up_programs = top_k * -(-inter // moe_gemv.gemv_config(hidden, inter)["gate_up"]["BLOCK_N"])
+    # The router's count is zeroed by every down; the down count left at one layer's gate/up programs.
+    down_left = moe_gemv.down_count(h0.device).item() - gate_up_programs if "DOWN_COUNT" in flags else 0
+    return {"edge": "+".join(flag.lower() for flag in flags), "varying_replays": varying,
+            "count_after": int(moe_gemv._router_counter(h0.device).item()) + int(down_left),
+            "rel_err_vs_without": relative(first, apart)}
 
 
 def attention_case(gen, layers: int, replays: int, context: int = 272, num_splits: int = 2) -> dict:
@@ -107,7 +119,7 @@ def attention_case(gen, layers: int, replays: int, context: int = 272, num_split
                                                  wait_count=paged_attention.counted_output(attended))
         return h
 
-    first, varying, plain = replayed_with(paged_attention, "REDUCE_COUNT", step, replays)
+    first, varying, plain = replayed_with([(paged_attention, "REDUCE_COUNT")], step, replays)
     return {"edge": "reduce_count", "varying_replays": varying, "rel_err_vs_without": relative(first, plain)}
 
 
@@ -121,7 +133,9 @@ def main() -> int:
         print("gpu_count_edges_check: needs a CUDA GPU", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = [moe_case(gen, args.layers, args.replays), attention_case(gen, args.layers, args.replays)]
+    results = [moe_case(gen, args.layers, args.replays, flags)
+               for flags in (("ROUTER_IN_GATE_UP",), ("DOWN_COUNT",), ("ROUTER_IN_GATE_UP", "DOWN_COUNT"))]
+    results.append(attention_case(gen, args.layers, args.replays))
     for r in results:
         print(json.dumps(r))
     ok = all(r["varying_replays"] == 0 and r.get("count_after", 0) == 0 and r["rel_err_vs_without"] < 0.02

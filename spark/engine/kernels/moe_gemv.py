@@ -22,7 +22,9 @@ the logits itself (moe_routing.py's ``route_token``: no routing launch) and norm
 down kernel adds the residual: three launches, all with PDL, for the norm, router, routing, experts,
 combine and residual add. With ``ROUTER_IN_GATE_UP`` (off until measured on a GPU) one token's router
 rides in gate/up's launch: two launches, gate/up's programs waiting on the router's through a count in
-memory (``launch.jit_counts``) instead of on a kernel boundary.
+memory (``launch.jit_counts``) instead of on a kernel boundary. With ``DOWN_COUNT`` (off until measured
+likewise) the down kernel waits on gate/up's programs through such a count (``down_count``), which the
+layer's wqkv zeroes (``small_linear_triton(reset_count=...)``, wired in ``ops._block_one_row``).
 
 Both read the weights in fused_moe.py's layout (rows contiguous along K), the big-batch layout.
 With the reference's roundings (gate and up rounded before the SwiGLU, each pick's product
@@ -104,9 +106,11 @@ def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, renormalize=False, norm_weight=None,
-                  eps=0.0, residual=None, config=None) -> torch.Tensor:
+                  eps=0.0, residual=None, config=None, down_count=None) -> torch.Tensor:
     """The gate/up and down GEMVs (``ids``, ``weights`` [T * k]: read, or written from ``logits`` [T, E]);
-    with ``router`` ([E, D], one token, a norm), the logits are written first by the gate/up launch itself."""
+    with ``router`` ([E, D], one token, a norm), the logits are written first by the gate/up launch itself;
+    with ``down_count`` (zeroed since its last use), gate/up's programs count themselves done there and down
+    waits on that count instead of on gate/up's completion."""
     num_tokens = x.shape[0]
     num_experts, inter2, hidden = w13.shape
     inter = inter2 // 2
@@ -128,20 +132,21 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, 
         counter, grid = _router_counter(x.device), (router_programs + top_k * blocks,)
     else:
         counter, grid = ids, (num_tokens * top_k, blocks)  # unread
+    gate_up_programs = num_tokens * top_k * blocks if down_count is not None else 0
     gate_up_kernel[grid](
         x, x if router is None else router, w13, ids, h, logits if route else x, weights,
-        x if norm_weight is None else norm_weight, counter, eps,
+        x if norm_weight is None else norm_weight, counter, ids if down_count is None else down_count, eps,
         x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
         I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
         ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), ROUTER_PROGRAMS=router_programs,
         ROUTER_ROWS=ROUTER_CONFIG["block_n"], ROUTER_BLOCK_K=router_k, ROUTER_EVEN_K=hidden % router_k == 0,
-        **up, **launch.pdl(gate_up_kernel, x))
+        COUNT_DONE=gate_up_programs > 0, **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, x if residual is None else residual, out, counter, w2.stride(0), w2.stride(1),
-        0 if residual is None else residual.stride(0), out.stride(0),
+        h, w2, ids, weights, x if residual is None else residual, out, counter, ids if down_count is None else down_count,
+        w2.stride(0), w2.stride(1), 0 if residual is None else residual.stride(0), out.stride(0),
         D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        RESET_COUNTER=routed, **down, **launch.pdl(down_kernel, x))
+        RESET_COUNTER=routed, WAIT_COUNT=gate_up_programs, **down, **launch.pdl(down_kernel, x))
     return out
 
 
@@ -169,6 +174,19 @@ ROUTER_CONFIG = dict(block_n=4, block_k=2048, num_warps=2, defer_reduce=False, e
 # rest wait on through a count in memory instead of a launch boundary (``moe_gemv_gate_up_kernel``).
 # A module value for A/B runs (decode_ablation.py router_in_gate_up).
 ROUTER_IN_GATE_UP = False
+
+# One token's down kernel waiting on gate/up's programs through a count in memory (``down_count``) instead of
+# on gate/up's completion (PDL's wait). A module value for A/B runs (decode_ablation.py down_count), read by
+# ``ops._block_one_row``, which zeroes the count in the layer's wqkv launch: the kernel after the last
+# layer's down, by when every reader of the count has finished.
+DOWN_COUNT = False
+
+
+def down_count(device: torch.device) -> torch.Tensor:
+    """The one-row layer's count of finished gate/up programs (``DOWN_COUNT``, ``launch.count``), which its
+    down kernel waits on; the caller zeroes it between layers (``small_linear_triton(reset_count=...)``).
+    Launches on one stream never overlap, so every layer shares it."""
+    return launch.count("moe_gate_up", device)
 
 
 def router_config(num_experts: int, hidden: int):
@@ -208,7 +226,7 @@ def moe_one_row_reference(h: torch.Tensor, norm_weight: torch.Tensor, eps: float
 
 def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
-                       config: dict | None = None) -> torch.Tensor:
+                       config: dict | None = None, down_count: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_one_row_reference`` in three launches, for the tokens of the GEMV path (decode's one row):
 
     1. the router: small_linear's kernel, the norm in its prologue: logits [T, E];
@@ -220,7 +238,8 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
     the next norm's residual add. All three take PDL on Hopper. Graph-capturable, no host sync.
 
     Args:
-      as ``moe_one_row_reference``'s; config: the GEMVs' launch shapes (``gemv_config``'s default).
+      as ``moe_one_row_reference``'s; config: the GEMVs' launch shapes (``gemv_config``'s default);
+      down_count: (``DOWN_COUNT``) the int32 count down waits on gate/up's programs through, zero on entry.
     """
     num_tokens = h.shape[0]
     ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=h.device)
@@ -228,11 +247,11 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
     if ROUTER_IN_GATE_UP and num_tokens == 1:
         logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=h.device)
         return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, router=router, renormalize=renormalize,
-                             norm_weight=norm_weight, eps=eps, residual=h, config=config)
+                             norm_weight=norm_weight, eps=eps, residual=h, config=config, down_count=down_count)
     logits = small_linear.small_linear_triton(h, router, norm_weight=norm_weight, eps=eps,
                                               config=router_config(*router.shape))
     return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, renormalize=renormalize,
-                         norm_weight=norm_weight, eps=eps, residual=h, config=config)
+                         norm_weight=norm_weight, eps=eps, residual=h, config=config, down_count=down_count)
 
 
 @functools.cache
@@ -349,18 +368,20 @@ def _kernels():
 
     @triton.jit
     def moe_gemv_gate_up_kernel(x_ptr, router_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr,
-                                counter_ptr, eps, stride_xt, stride_we, stride_wn, stride_lt, num_experts,
+                                counter_ptr, done_count_ptr, eps, stride_xt, stride_we, stride_wn, stride_lt, num_experts,
                                 I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
                                 ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
                                 E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
                                 ROUTER_PROGRAMS: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-                                ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr,
+                                ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr, COUNT_DONE: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One program per (slot, BLOCK_N outputs): ``gate_up_program``, in a grid of (slots, output blocks).
         # ROUTER_PROGRAMS > 0 (``ROUTER_IN_GATE_UP``, one token): a flat grid whose first ROUTER_PROGRAMS
         # programs take the router's logits, the rest (slot fastest) gate/up's outputs once all of those are
         # counted. The router's are the lowest program ids: dispatched first, they never wait on a program
         # that is not resident, so the spinning ones cannot starve them.
+        # COUNT_DONE (``DOWN_COUNT``): each gate/up program counts itself done for the down kernel, its h
+        # and the ids and weights stored.
         slot, col_block = tl.program_id(0), tl.program_id(1)
         if ROUTER_PROGRAMS > 0:
             if slot < ROUTER_PROGRAMS:
@@ -375,12 +396,15 @@ def _kernels():
         _gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
                          stride_xt, stride_we, stride_wn, stride_lt, num_experts, I, D, TOP_K, EVEN_K, ROUTE,
                          RENORMALIZE, K_PAD, E_PAD, NORM, BLOCK_N, BLOCK_K)
+        if COUNT_DONE:
+            _count_done(done_count_ptr)
 
     @triton.jit
-    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, counter_ptr, stride_we,
-                             stride_wn, stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESET_COUNTER: tl.constexpr,
-                             PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, counter_ptr, wait_count_ptr,
+                             stride_we, stride_wn, stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr,
+                             TOP_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                             RESET_COUNTER: tl.constexpr, WAIT_COUNT: tl.constexpr, PDL: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
         # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
         # (the residual stream's add, in x's dtype as eager ``h + moe(x)``).
@@ -390,7 +414,11 @@ def _kernels():
         ks = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros([BLOCK_N], tl.float32)
-        if PDL:  # h, the ids and weights come from the kernels before
+        if WAIT_COUNT > 0:  # gate/up's programs count themselves done (DOWN_COUNT): wait for all of them instead
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+            _wait_for_count(wait_count_ptr, WAIT_COUNT)
+        elif PDL:  # h, the ids and weights come from the kernels before
             _wait_for_previous(False)
         if RESET_COUNTER:  # the routed gate/up's count, all read by now: zero for the next layer's
             if (token == 0) & (tl.program_id(1) == 0):

@@ -287,6 +287,7 @@ def small_linear_triton(
     config: Config | None = None,
     out_dtype: torch.dtype | None = None,
     wait_count: tuple[torch.Tensor, int] | None = None,
+    reset_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`pro(x) @ weight.T (+ residual)` in one kernel (Triton); arguments as `small_linear_reference`.
 
@@ -304,6 +305,9 @@ def small_linear_triton(
       wait_count: (an int32 count, n): x's writer counts its programs there as they finish
         (`paged_attention.counted_output`); the kernel waits for n of them in place of PDL's wait on
         the kernel before's completion.
+      reset_count: an int32 count the launch zeroes after its wait on the kernel before: the count of an
+        edge later in the chain, whose readers all finished before that kernel did (``moe_gemv``'s down
+        count, zeroed by the MoE layer's wqkv).
 
     Returns:
       `[M, N]` contiguous (`[M, N / 2]` with `gated_output`), in `out_dtype`.
@@ -329,9 +333,10 @@ def small_linear_triton(
     assert cfg.use_dot or not cfg.defer_reduce or not gated_output, "the gated epilogue reduces every step"
     assert not (cfg.early_tile and gated_output), "the early tile is the gate's alone"
     assert cfg.split_k == 1, "a split K writes partials: small_linear_split_k_triton"
+    assert wait_count is None or reset_count is None, "one count a launch"
     prologue = _NORM if norm_weight is not None else _GATED if gated else _PLAIN
     _launch(x, weight, out, cfg, prologue=prologue, norm_weight=norm_weight, eps=eps, residual=residual,
-            gated_output=gated_output, wait_count=wait_count)
+            gated_output=gated_output, wait_count=wait_count, reset_count=reset_count)
     return out
 
 
@@ -383,16 +388,16 @@ def small_linear_split_k_triton(x: torch.Tensor, weight: torch.Tensor, config: C
 
 
 def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, eps=0.0, residual=None,
-            gated_output=False, partials=False, wait_count=None) -> None:
+            gated_output=False, partials=False, wait_count=None, reset_count=None) -> None:
     """One launch of the kernel into `out` (`[M, N]`, or `[split_k, M, N]` fp32 `partials`)."""
     m, n, k = x.shape[0], out.shape[-1], weight.shape[1]
     kernel = _kernel()
     block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
     # Without a norm, a residual or a count the kernel never touches those pointers; x fills them.
+    count = wait_count[0] if wait_count is not None else x if reset_count is None else reset_count
     kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
-        x if wait_count is None else wait_count[0],
-        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+        count, m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
         K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
@@ -400,6 +405,7 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
         TRIGGER_FIRST=cfg.trigger_first, WAIT_COUNT=0 if wait_count is None else wait_count[1],
+        RESET_COUNT=reset_count is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -480,7 +486,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
-        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr, WAIT_COUNT: tl.constexpr,
+        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr, WAIT_COUNT: tl.constexpr, RESET_COUNT: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -503,6 +509,9 @@ def _kernel():
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
             _wait_for_count(count_ptr, WAIT_COUNT)
+        if RESET_COUNT:  # a later kernel pair's count, whose last readers finished before the kernel waited on
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(count_ptr, 0)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn

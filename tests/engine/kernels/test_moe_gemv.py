@@ -153,3 +153,21 @@ def test_router_in_gate_up_equals_its_own_launch(shape, renormalize, monkeypatch
         assert torch.equal(ids, want_i.reshape(-1).to(torch.int32))
         torch.testing.assert_close(weights, want_w.reshape(-1))
         torch.testing.assert_close(out, apart, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("router_in_gate_up", [False, True], ids=["router_apart", "router_in_gate_up"])
+def test_down_waits_on_gate_ups_count(router_in_gate_up, monkeypatch):
+    # DOWN_COUNT: every gate/up program (not the router's) counts itself done, the down kernel waits for all
+    # of them; the same output as down's wait on gate/up's completion. The count is left at the number of
+    # gate/up programs for the layer's next wqkv to zero (small_linear's reset_count).
+    monkeypatch.setattr(moe_gemv, "ROUTER_IN_GATE_UP", router_in_gate_up)
+    experts, k, hidden, inter = QWEN3_MOE_SMALL
+    h, norm_weight, router, w13, w2, _ = make_one_row(1, QWEN3_MOE_SMALL, torch.bfloat16, seed=13)
+    plain = moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True)
+    count = torch.zeros(1, dtype=torch.int32)
+    counted = moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True, down_count=count)
+    assert torch.equal(counted, plain)
+    blocks = -(-inter // moe_gemv.gemv_config(hidden, inter)["gate_up"]["BLOCK_N"])
+    assert count.item() == k * blocks
+    small_linear.small_linear_triton(h, router, reset_count=count)
+    assert count.item() == 0
