@@ -121,7 +121,7 @@ async def create_response(serving: Serving):
     if req.background and req.store is False:
         raise ApiError(400, "a background response is stored: background=true needs store=true", param="background")
     # store=false needs the store only to read what it continues: a stateless server makes no file
-    store = await _store() if req.store is not False or req.previous_response_id or req.conversation else None
+    store = await _store() if req.store is not False or _continues(req) else None
     history, conversation_id, items, messages, turn_kwargs = await _turn_inputs(req, owner, store)
     truncation = _truncation(req.truncation)
     turn, stage = await spine.fit_turn(serving, messages, max_tokens=req.max_output_tokens,
@@ -150,7 +150,7 @@ async def create_response(serving: Serving):
 async def count_input_tokens(serving: Serving):
     """The prompt's tokens that a create with this body would send (OpenAI's ``responses.input_tokens``)."""
     req = await request_body(ResponsesRequest)
-    store = await _store() if req.previous_response_id or req.conversation else None
+    store = await _store() if _continues(req) else None
     _, _, _, messages, turn_kwargs = await _turn_inputs(req, _owner(), store)
     # as rendered, not compacted: a client counts to learn whether it must shorten the input itself
     turn = await spine.render_turn(serving, messages, **turn_kwargs)
@@ -194,6 +194,12 @@ def _background_runs() -> BackgroundRuns:
 async def _sse_events(events):
     async for event in events:
         yield sse_event(event)
+
+
+def _continues(req: ResponsesRequest) -> bool:
+    """Whether the turn continues stored items (``_history`` reads the store): a conversation given at all,
+    even an empty id (a 404, not a turn without history)."""
+    return bool(req.previous_response_id) or req.conversation is not None
 
 
 async def _history(req: ResponsesRequest, owner: str, store: AsyncStore | None) -> tuple[list[dict], str | None]:

@@ -226,6 +226,18 @@ def test_conversation_of_three_turns(client, engine):
         client.responses.create(model="replay", conversation=conv.id, input="x")
 
 
+def test_an_empty_conversation_id_is_not_found(client):
+    # "" is a conversation given, not a turn without one: a 404 from the create, unstored and stored alike,
+    # and from the token count (a 500 once, found by test_fuzz).
+    for create in (dict(store=False), {}):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.create(model="replay", conversation="", input="x", **create)
+        assert info.value.body["param"] == "conversation"
+    with pytest.raises(openai.NotFoundError):
+        client.post("/responses/input_tokens", body={"model": "replay", "conversation": "", "input": "x"},
+                    cast_to=object)
+
+
 def test_conversation_metadata_update(server, client):
     conv = client.conversations.create(metadata={"topic": "names"})
     updated = client.conversations.update(conv.id, metadata={"topic": "weather", "lang": "en"})
