@@ -85,9 +85,9 @@ def moe_case(gen, layers: int, replays: int, flags: tuple[str, ...]) -> dict:
         return h
 
     first, varying, apart = replayed_with([(moe_gemv, flag) for flag in flags], step, replays)
-    gate_up_programs = top_k * -(-inter // moe_gemv.gemv_config(hidden, inter)["gate_up"]["BLOCK_N"])
     # The router's count is zeroed by every down; the down count left at one layer's gate/up programs.
-    down_left = moe_gemv.down_count(h0.device).item() - gate_up_programs if "DOWN_COUNT" in flags else 0
+    down_left = (moe_gemv.down_count(h0.device).item() - moe_gemv.gate_up_programs(hidden, inter, top_k)
+                 if "DOWN_COUNT" in flags else 0)
     return {"edge": "+".join(flag.lower() for flag in flags), "varying_replays": varying,
             "count_after": int(moe_gemv._router_counter(h0.device).item()) + int(down_left),
             "rel_err_vs_without": relative(first, apart)}

@@ -89,6 +89,12 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
 
 
+def gate_up_programs(hidden: int, inter: int, top_k: int, num_tokens: int = 1) -> int:
+    """The gate/up launch's programs at ``gemv_config``'s shapes (the router's aside): what the down kernel
+    waits for on its count (``DOWN_COUNT``)."""
+    return num_tokens * top_k * -(-inter // gemv_config(hidden, inter, num_tokens)["gate_up"]["BLOCK_N"])
+
+
 def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """``fused_moe.fused_moe_reference`` for a few tokens: two GEMV launches, no alignment (see the
@@ -132,21 +138,21 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, 
         counter, grid = _router_counter(x.device), (router_programs + top_k * blocks,)
     else:
         counter, grid = ids, (num_tokens * top_k, blocks)  # unread
-    gate_up_programs = num_tokens * top_k * blocks if down_count is not None else 0
+    counted = num_tokens * top_k * blocks if down_count is not None else 0  # the programs down waits for
+    done_count = ids if down_count is None else down_count  # unread without a count
     gate_up_kernel[grid](
         x, x if router is None else router, w13, ids, h, logits if route else x, weights,
-        x if norm_weight is None else norm_weight, counter, ids if down_count is None else down_count, eps,
+        x if norm_weight is None else norm_weight, counter, done_count, eps,
         x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
         I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
         ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), ROUTER_PROGRAMS=router_programs,
         ROUTER_ROWS=ROUTER_CONFIG["block_n"], ROUTER_BLOCK_K=router_k, ROUTER_EVEN_K=hidden % router_k == 0,
-        COUNT_DONE=gate_up_programs > 0, **up, **launch.pdl(gate_up_kernel, x))
+        COUNT_DONE=counted > 0, **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, x if residual is None else residual, out, counter, ids if down_count is None else down_count,
-        w2.stride(0), w2.stride(1), 0 if residual is None else residual.stride(0), out.stride(0),
+        h, w2, ids, weights, x if residual is None else residual, out, counter, done_count, w2.stride(0), w2.stride(1), 0 if residual is None else residual.stride(0), out.stride(0),
         D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        RESET_COUNTER=routed, WAIT_COUNT=gate_up_programs, **down, **launch.pdl(down_kernel, x))
+        RESET_COUNTER=routed, WAIT_COUNT=counted, **down, **launch.pdl(down_kernel, x))
     return out
 
 

@@ -95,9 +95,8 @@ def test_counted_edges_leave_the_steps_as_they_were(preset, monkeypatch):
     counted = outputs()
     assert all(torch.equal(c, w) for c, w in zip(counted, waited))
     config = source.config
-    inter = config.moe_intermediate_size or config.intermediate_size
-    blocks = -(-inter // moe_gemv.gemv_config(config.hidden_size, inter)["gate_up"]["BLOCK_N"])
-    assert moe_gemv.down_count(torch.device("cpu")).item() == config.num_experts_per_tok * blocks
+    assert moe_gemv.down_count(torch.device("cpu")).item() == moe_gemv.gate_up_programs(
+        config.hidden_size, config.moe_intermediate_size or config.intermediate_size, config.num_experts_per_tok)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -167,7 +167,6 @@ def test_down_waits_on_gate_ups_count(router_in_gate_up, monkeypatch):
     count = torch.zeros(1, dtype=torch.int32)
     counted = moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True, down_count=count)
     assert torch.equal(counted, plain)
-    blocks = -(-inter // moe_gemv.gemv_config(hidden, inter)["gate_up"]["BLOCK_N"])
-    assert count.item() == k * blocks
+    assert count.item() == moe_gemv.gate_up_programs(hidden, inter, k)
     small_linear.small_linear_triton(h, router, reset_count=count)
     assert count.item() == 0
