@@ -197,16 +197,16 @@ async def _sse_events(events):
 
 
 def _continues(req: ResponsesRequest) -> bool:
-    """Whether the turn continues stored items (``_history`` reads the store): a conversation given at all,
-    even an empty id (a 404, not a turn without history)."""
-    return bool(req.previous_response_id) or req.conversation is not None
+    """Whether the turn continues stored items (``_history`` reads the store): a previous response or a
+    conversation given at all, even an empty id (a 404, not a turn without history)."""
+    return req.previous_response_id is not None or req.conversation is not None
 
 
 async def _history(req: ResponsesRequest, owner: str, store: AsyncStore | None) -> tuple[list[dict], str | None]:
     """The items a new turn continues, and the conversation it belongs to."""
-    if req.previous_response_id and req.conversation:
+    if req.previous_response_id is not None and req.conversation is not None:
         raise ApiError(400, "previous_response_id and conversation cannot both be given", param="conversation")
-    if req.previous_response_id:
+    if req.previous_response_id is not None:
         rid = req.previous_response_id
         previous = await store.get_response(owner, rid)
         if previous is None:

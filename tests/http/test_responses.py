@@ -227,15 +227,20 @@ def test_conversation_of_three_turns(client, engine):
 
 
 def test_an_empty_conversation_id_is_not_found(client):
-    # "" is a conversation given, not a turn without one: a 404 from the create, unstored and stored alike,
-    # and from the token count (a 500 once, found by test_fuzz).
-    for create in (dict(store=False), {}):
-        with pytest.raises(openai.NotFoundError) as info:
-            client.responses.create(model="replay", conversation="", input="x", **create)
-        assert info.value.body["param"] == "conversation"
-    with pytest.raises(openai.NotFoundError):
-        client.post("/responses/input_tokens", body={"model": "replay", "conversation": "", "input": "x"},
-                    cast_to=object)
+    # "" is a conversation (or previous response) given, not a turn without one: a 404 from the create,
+    # unstored and stored alike, and from the token count (a 500 once, found by test_fuzz).
+    for field in ("conversation", "previous_response_id"):
+        for create in (dict(store=False), {}):
+            with pytest.raises(openai.NotFoundError) as info:
+                client.responses.create(model="replay", input="x", **{field: ""}, **create)
+            assert info.value.body["param"] == field
+        with pytest.raises(openai.NotFoundError):
+            client.post("/responses/input_tokens", body={"model": "replay", field: "", "input": "x"},
+                        cast_to=object)
+    # and both given is refused whatever either holds
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="replay", input="x", previous_response_id="resp_x", conversation="")
+    assert "cannot both be given" in info.value.message
 
 
 def test_conversation_metadata_update(server, client):
