@@ -426,6 +426,12 @@ variants["router_down_counts"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): Tru
                                   "rows": "one"}
 variants["all_counts"] = {"patch": {(pa, "REDUCE_COUNT"): True, (moe_gemv, "ROUTER_IN_GATE_UP"): True,
                                     (moe_gemv, "DOWN_COUNT"): True}, "rows": "one"}
+# the same with each waiting program sleeping between two reads of its count (launch.COUNT_WAIT_SLEEP_NS)
+for ns in (100, 500):
+    variants[f"down_count_sleep{ns}"] = {"patch": {(moe_gemv, "DOWN_COUNT"): True, (launch, "COUNT_WAIT_SLEEP_NS"): ns},
+                                         "rows": "one"}
+    variants[f"all_counts_sleep{ns}"] = {"patch": {**variants["all_counts"]["patch"], (launch, "COUNT_WAIT_SLEEP_NS"): ns},
+                                         "rows": "one"}
 if preset == "qwen3-30b-a3b":
     variants["best"] = best_of_sweep  # last but base2: after every knob it picks from
 variants["base2"] = {}

@@ -95,9 +95,22 @@ def count(owner: str, device: torch.device) -> torch.Tensor:
     return have
 
 
+# Nanoseconds a waiting program sleeps between two reads of its count (0: it spins). Every program of a waiting
+# grid polls the same line, thousands of them at once (one token's down kernel: 2048 one-warp programs) while
+# the producers stream their weights. A module value for A/B runs (decode_ablation.py *_sleep*), read by each
+# counted launch as its ``WAIT_SLEEP_NS``; compiled only for a GPU (inline PTX), the interpreter spins.
+COUNT_WAIT_SLEEP_NS = 0
+
+
+def count_wait_sleep(kernel, waits: bool) -> int:
+    """The ``WAIT_SLEEP_NS`` constexpr of ``kernel``'s launch: ``COUNT_WAIT_SLEEP_NS`` where it ``waits`` on a
+    count, else 0 (one compiled variant fewer), and 0 in the interpreter."""
+    return COUNT_WAIT_SLEEP_NS if waits and not interpreting(kernel) else 0
+
+
 @functools.cache
 def jit_counts():
-    """The @triton.jit ``(count_done(count_ptr), wait_for_count(count_ptr, N))``, JIT-ed once: a dependency
+    """The @triton.jit ``(count_done(count_ptr), wait_for_count(count_ptr, N, SLEEP_NS))``, JIT-ed once: a dependency
     between programs through an int32 count in memory, where a kernel would otherwise wait on the whole
     kernel before it (PDL's wait: that grid's completion). Each producer program counts itself done after
     its stores (a CTA barrier, then one release add); the consumer spins on a load-acquire until N have,
@@ -114,9 +127,12 @@ def jit_counts():
         tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def wait_for_count(count_ptr, N: tl.constexpr):
+    def wait_for_count(count_ptr, N: tl.constexpr, SLEEP_NS: tl.constexpr):
         done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")  # compiled to a load-acquire
         while done < N:
+            if SLEEP_NS > 0:  # PTX nanosleep: the warp yields its issue slots and the line a while
+                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [tl.full([], SLEEP_NS, tl.int32)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()  # every thread's loads after the acquire
 

@@ -148,11 +148,12 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, 
         ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), ROUTER_PROGRAMS=router_programs,
         ROUTER_ROWS=ROUTER_CONFIG["block_n"], ROUTER_BLOCK_K=router_k, ROUTER_EVEN_K=hidden % router_k == 0,
-        COUNT_DONE=counted > 0, **up, **launch.pdl(gate_up_kernel, x))
+        COUNT_DONE=counted > 0, WAIT_SLEEP_NS=launch.count_wait_sleep(gate_up_kernel, routed), **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, w2, ids, weights, x if residual is None else residual, out, counter, done_count, w2.stride(0), w2.stride(1), 0 if residual is None else residual.stride(0), out.stride(0),
         D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        RESET_COUNTER=routed, WAIT_COUNT=counted, **down, **launch.pdl(down_kernel, x))
+        RESET_COUNTER=routed, WAIT_COUNT=counted,
+        WAIT_SLEEP_NS=launch.count_wait_sleep(down_kernel, counted > 0), **down, **launch.pdl(down_kernel, x))
     return out
 
 
@@ -380,7 +381,7 @@ def _kernels():
                                 E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
                                 ROUTER_PROGRAMS: tl.constexpr, ROUTER_ROWS: tl.constexpr,
                                 ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr, COUNT_DONE: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                WAIT_SLEEP_NS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One program per (slot, BLOCK_N outputs): ``gate_up_program``, in a grid of (slots, output blocks).
         # ROUTER_PROGRAMS > 0 (``ROUTER_IN_GATE_UP``, one token): a flat grid whose first ROUTER_PROGRAMS
         # programs take the router's logits, the rest (slot fastest) gate/up's outputs once all of those are
@@ -398,7 +399,7 @@ def _kernels():
         if PDL:  # x, the logits or the ids come from the kernels before
             _wait_for_previous(False)
         if ROUTER_PROGRAMS > 0:
-            _wait_for_count(counter_ptr, ROUTER_PROGRAMS)  # the logits
+            _wait_for_count(counter_ptr, ROUTER_PROGRAMS, WAIT_SLEEP_NS)  # the logits
         _gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
                          stride_xt, stride_we, stride_wn, stride_lt, num_experts, I, D, TOP_K, EVEN_K, ROUTE,
                          RENORMALIZE, K_PAD, E_PAD, NORM, BLOCK_N, BLOCK_K)
@@ -409,8 +410,8 @@ def _kernels():
     def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, counter_ptr, wait_count_ptr,
                              stride_we, stride_wn, stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr,
                              TOP_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                             RESET_COUNTER: tl.constexpr, WAIT_COUNT: tl.constexpr, PDL: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             RESET_COUNTER: tl.constexpr, WAIT_COUNT: tl.constexpr, WAIT_SLEEP_NS: tl.constexpr,
+                             PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
         # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
         # (the residual stream's add, in x's dtype as eager ``h + moe(x)``).
@@ -423,7 +424,7 @@ def _kernels():
         if WAIT_COUNT > 0:  # gate/up's programs count themselves done (DOWN_COUNT): wait for all of them instead
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
-            _wait_for_count(wait_count_ptr, WAIT_COUNT)
+            _wait_for_count(wait_count_ptr, WAIT_COUNT, WAIT_SLEEP_NS)
         elif PDL:  # h, the ids and weights come from the kernels before
             _wait_for_previous(False)
         if RESET_COUNTER:  # the routed gate/up's count, all read by now: zero for the next layer's

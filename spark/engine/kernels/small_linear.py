@@ -405,7 +405,7 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
         TRIGGER_FIRST=cfg.trigger_first, WAIT_COUNT=0 if wait_count is None else wait_count[1],
-        RESET_COUNT=reset_count is not None,
+        RESET_COUNT=reset_count is not None, WAIT_SLEEP_NS=launch.count_wait_sleep(kernel, wait_count is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -487,6 +487,7 @@ def _kernel():
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
         FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr, WAIT_COUNT: tl.constexpr, RESET_COUNT: tl.constexpr,
+        WAIT_SLEEP_NS: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -508,7 +509,7 @@ def _kernel():
         if WAIT_COUNT > 0:  # x's writer counts its programs done: wait for all of them instead
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
-            _wait_for_count(count_ptr, WAIT_COUNT)
+            _wait_for_count(count_ptr, WAIT_COUNT, WAIT_SLEEP_NS)
         if RESET_COUNT:  # a later kernel pair's count, whose last readers finished before the kernel waited on
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(count_ptr, 0)
