@@ -66,18 +66,25 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return round((a.float() - b.float()).abs().max().item() / b.float().abs().max().item(), 5)
 
 
-def moe_case(gen, layers: int, replays: int, flags: tuple[str, ...]) -> dict:
-    experts, top_k, hidden, inter = 128, 8, 2048, 768
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768  # Qwen3-30B-A3B's MoE block
 
+
+def moe_chain(gen) -> tuple:
+    """(the MoE block's weights, its input row, a projection in wqkv's place) on ``gen``'s device, random bf16,
+    shared by the MoE cases (a few GB of random values: made once)."""
     def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)
+        return (scale * torch.randn(*shape, generator=gen, device=gen.device)).to(torch.bfloat16)
 
     # Small weights keep the residual stream from growing over the layers.
-    weights = (1 + 0.1 * rand(hidden).float()).to(torch.bfloat16), 1e-6, rand(experts, hidden, scale=hidden ** -0.5), \
-        rand(experts, 2 * inter, hidden, scale=hidden ** -0.5), rand(experts, hidden, inter, scale=0.1 * inter ** -0.5), \
-        top_k, True
-    h0 = rand(1, hidden)
-    mix = rand(hidden, hidden, scale=0.1 * hidden ** -0.5)  # in wqkv's place: zeroes the down count after its wait
+    weights = (1 + 0.1 * rand(HIDDEN).float()).to(torch.bfloat16), 1e-6, rand(EXPERTS, HIDDEN, scale=HIDDEN ** -0.5), \
+        rand(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN ** -0.5), rand(EXPERTS, HIDDEN, INTER, scale=0.1 * INTER ** -0.5), \
+        TOP_K, True
+    mix = rand(HIDDEN, HIDDEN, scale=0.1 * HIDDEN ** -0.5)  # in wqkv's place: zeroes the down count after its wait
+    return weights, rand(1, HIDDEN), mix
+
+
+def moe_case(chain: tuple, layers: int, replays: int, flags: tuple[str, ...]) -> dict:
+    weights, h0, mix = chain
 
     def step():
         h = h0
@@ -89,7 +96,7 @@ def moe_case(gen, layers: int, replays: int, flags: tuple[str, ...]) -> dict:
 
     first, varying, apart = replayed_with([(moe_gemv, flag) for flag in flags], step, replays)
     # The router's count is zeroed by every down; the down count left at one layer's gate/up programs.
-    down_left = (moe_gemv.down_count(h0.device).item() - moe_gemv.gate_up_programs(hidden, inter, top_k)
+    down_left = (moe_gemv.down_count(h0.device).item() - moe_gemv.gate_up_programs(HIDDEN, INTER, TOP_K)
                  if "DOWN_COUNT" in flags else 0)
     return {"edge": "+".join(flag.lower() for flag in flags), "varying_replays": varying,
             "count_after": int(moe_gemv._router_counter(h0.device).item()) + int(down_left),
@@ -99,17 +106,17 @@ def moe_case(gen, layers: int, replays: int, flags: tuple[str, ...]) -> dict:
 def attention_case(gen, layers: int, replays: int, context: int = 272, num_splits: int = 2) -> dict:
     page, heads, kv_heads, dim, hidden = 16, 32, 4, 128, 2048
     pages = -(-context // page)
-    cache = [torch.randn(pages + 1, page, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    cache = [torch.randn(pages + 1, page, kv_heads, dim, generator=gen, device=gen.device).to(torch.bfloat16)
              for _ in range(2)]
-    table = (torch.arange(pages, device="cuda", dtype=torch.int32) + 1).view(1, pages)
-    seq_lens = torch.tensor([context], device="cuda", dtype=torch.int32)
-    slots = torch.tensor([table[0, (context - 1) // page].item() * page + (context - 1) % page], device="cuda")
-    positions = torch.tensor([context - 1], device="cuda")
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
-    wo = (torch.randn(hidden, heads * dim, generator=gen, device="cuda") * (heads * dim) ** -0.5).to(torch.bfloat16)
-    qkvs = [torch.randn(1, (heads + 2 * kv_heads) * dim, generator=gen, device="cuda").to(torch.bfloat16)
+    table = (torch.arange(pages, device=gen.device, dtype=torch.int32) + 1).view(1, pages)
+    seq_lens = torch.tensor([context], device=gen.device, dtype=torch.int32)
+    slots = torch.tensor([table[0, (context - 1) // page].item() * page + (context - 1) % page], device=gen.device)
+    positions = torch.tensor([context - 1], device=gen.device)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=gen.device).float() / dim))
+    wo = (torch.randn(hidden, heads * dim, generator=gen, device=gen.device) * (heads * dim) ** -0.5).to(torch.bfloat16)
+    qkvs = [torch.randn(1, (heads + 2 * kv_heads) * dim, generator=gen, device=gen.device).to(torch.bfloat16)
             for _ in range(layers)]
-    h0 = torch.randn(1, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    h0 = torch.randn(1, hidden, generator=gen, device=gen.device).to(torch.bfloat16)
 
     def step():
         h = h0
@@ -136,12 +143,13 @@ def main() -> int:
         print("gpu_count_edges_check: needs a CUDA GPU", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = [moe_case(gen, args.layers, args.replays, flags)
+    chain = moe_chain(gen)
+    results = [moe_case(chain, args.layers, args.replays, flags)
                for flags in (("ROUTER_IN_GATE_UP",), ("DOWN_COUNT",), ("ROUTER_IN_GATE_UP", "DOWN_COUNT"))]
     results.append(attention_case(gen, args.layers, args.replays))
     launch.COUNT_WAIT_SLEEP_NS = SLEEP_NS  # the waits sleeping between their reads of the count
     try:
-        results += [moe_case(gen, args.layers, args.replays, ("ROUTER_IN_GATE_UP", "DOWN_COUNT")),
+        results += [moe_case(chain, args.layers, args.replays, ("ROUTER_IN_GATE_UP", "DOWN_COUNT")),
                     attention_case(gen, args.layers, args.replays)]
     finally:
         launch.COUNT_WAIT_SLEEP_NS = 0
