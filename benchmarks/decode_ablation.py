@@ -396,6 +396,12 @@ variants["first:wo"] = triggers(first=("wo",))
 variants["wo_early"] = triggers(wo_early=True)
 # (An L2 prefetch of each program's weight rows before its wait, prefetch.global.L2 line by line, was
 # neutral for wo and cost 2.6 us a layer for wqkv on an H100: results 2026-12-06-h100-moe-sweep-all-2e7ede0.json.)
+# (Kernels waiting on a count of the producer's programs in memory, a load-acquire spin, instead of on PDL's
+# wait for the kernel before, were slower at every edge tried, on an H100 at batch 1: the router's programs
+# ahead of gate/up's in one launch -6.8 us a layer, the down kernel on gate/up's count -4.5, wo on the split-KV
+# reduce's -0.8, all three -11.3, with a 100-500 ns nanosleep between reads barely better; the waiting
+# programs, resident by the thousand, take the SMs' issue slots and L2 from the ones they wait on. Removed:
+# results 2026-12-07-h100-count-edges-7019197.json.)
 
 
 def chunked_argmax(x, into):
@@ -413,25 +419,6 @@ def chunked_argmax(x, into):
 
 
 variants["chunked_argmax"] = {"patch": {(cuda_graphs, "greedy_tokens"): chunked_argmax}}
-# The MoE router in gate/up's launch (moe_gemv.ROUTER_IN_GATE_UP), or in a launch of its own
-variants["router_in_gate_up"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): True}, "rows": "one"}
-variants["router_apart"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): False}, "rows": "one"}
-# wo waiting on the split-KV reduce's count of its programs (paged_attention.REDUCE_COUNT), or on its completion
-variants["reduce_count"] = {"patch": {(pa, "REDUCE_COUNT"): True}, "rows": "one"}
-variants["reduce_waited"] = {"patch": {(pa, "REDUCE_COUNT"): False}, "rows": "one"}
-variants["both_counts"] = {"patch": {(pa, "REDUCE_COUNT"): True, (moe_gemv, "ROUTER_IN_GATE_UP"): True}, "rows": "one"}
-# the MoE down kernel waiting on gate/up's count of its programs (moe_gemv.DOWN_COUNT), alone and with the others
-variants["down_count"] = {"patch": {(moe_gemv, "DOWN_COUNT"): True}, "rows": "one"}
-variants["router_down_counts"] = {"patch": {(moe_gemv, "ROUTER_IN_GATE_UP"): True, (moe_gemv, "DOWN_COUNT"): True},
-                                  "rows": "one"}
-variants["all_counts"] = {"patch": {(pa, "REDUCE_COUNT"): True, (moe_gemv, "ROUTER_IN_GATE_UP"): True,
-                                    (moe_gemv, "DOWN_COUNT"): True}, "rows": "one"}
-# the same with each waiting program sleeping between two reads of its count (launch.COUNT_WAIT_SLEEP_NS)
-for ns in (100, 500):
-    variants[f"down_count_sleep{ns}"] = {"patch": {(moe_gemv, "DOWN_COUNT"): True, (launch, "COUNT_WAIT_SLEEP_NS"): ns},
-                                         "rows": "one"}
-    variants[f"all_counts_sleep{ns}"] = {"patch": {**variants["all_counts"]["patch"], (launch, "COUNT_WAIT_SLEEP_NS"): ns},
-                                         "rows": "one"}
 if preset == "qwen3-30b-a3b":
     variants["best"] = best_of_sweep  # last but base2: after every knob it picks from
 variants["base2"] = {}

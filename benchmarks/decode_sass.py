@@ -33,13 +33,12 @@ def compile_decode(cache: str, block_n: int, v_early: bool):
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "positions_ptr": "*i64", "inv_freq_ptr": "*fp32",
                 "slot_ptr": "*i64", "k_cache_ptr": f"*{cache_ty}", "v_cache_ptr": f"*{cache_ty}",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "partial_max_ptr": "*fp32",
-                "partial_sum_ptr": "*fp32", "partial_out_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "count_ptr": "*i32"}
+                "partial_sum_ptr": "*fp32", "partial_out_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     unit_strides = {"stride_qd", "stride_kd", "stride_vd", "stride_cd", "stride_od", "stride_f"}  # launches specialize 1s
     odd_ints = {"group", "num_splits", "qk_scale_log2"}
     constants = dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, SPLIT=True, HALF_DOT=True,
                      PRECISION="tf32", ROPE=True, SCALED=cache == "fp8", FP8_V_EARLY=v_early, EARLY_LOADS=False,
-                     NUM_STAGES=2, PDL=False, RESET_COUNT=False, QK_NORM=False, EXIT_EMPTY=False)
+                     NUM_STAGES=2, PDL=False, QK_NORM=False, EXIT_EMPTY=False)
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants or name in unit_strides:

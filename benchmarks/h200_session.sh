@@ -158,17 +158,6 @@ for name in "$@"; do
         # what the MoE batch-1 step costs outside its blocks, and each piece of a block in the chain
         moe-outside) step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,skip_head,skip_layers,skip_layers_head,skip_attention,skip_wqkv,skip_wo,skip_router,skip_experts,skip_down,skip_router_route_experts,base2 ;;
-        # kernels waiting on a count in memory (the MoE router inside gate/up's launch, wo on the split-KV
-        # reduce's count): their race check, then the step with and without them
-        count-edges) step "$name-check" 150 python ../scripts/gpu_count_edges_check.py --replays 30 --out "$OUT/count-edges-check.json"
-            step "$name" 200 python decode_ablation.py qwen3-30b-a3b 272 1 \
-                base,router_in_gate_up,reduce_count,down_count,both_counts,router_down_counts,all_counts,\
-down_count_sleep100,down_count_sleep500,all_counts_sleep100,all_counts_sleep500,base2 ;;
-        # issue 23's batch-1 figure with the three counted edges on, beside the default's in the same call
-        count-edges-b1) step "$name-base" 140 python moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1.json"
-            step "$name-all" 140 python with_flags.py \
-                moe_gemv.ROUTER_IN_GATE_UP,moe_gemv.DOWN_COUNT,paged_attention.REDUCE_COUNT \
-                moe_decode.py --batches 1 --no-hf --out "$OUT/moe-b1-counts.json" ;;
         # every one-row knob of the MoE step's batch 1 (about 2 s each after the load), the best of each together
         moe-sweep-all) step "$name" 585 python decode_ablation.py qwen3-30b-a3b 272 1 \
             base,flat_none,flat_all,no_early_loads,no_early_tile,skip_attention,skip_wqkv,skip_wo,wqkv:4x2048w2,\

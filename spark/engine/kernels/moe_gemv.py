@@ -20,11 +20,7 @@ Decode's one row goes further (``moe_one_row_triton``, the MoE block's part of `
 the router's GEMV takes the RMSNorm in its prologue, every gate/up program routes its token from
 the logits itself (moe_routing.py's ``route_token``: no routing launch) and normalises x on the way, and the
 down kernel adds the residual: three launches, all with PDL, for the norm, router, routing, experts,
-combine and residual add. With ``ROUTER_IN_GATE_UP`` (off until measured on a GPU) one token's router
-rides in gate/up's launch: two launches, gate/up's programs waiting on the router's through a count in
-memory (``launch.jit_counts``) instead of on a kernel boundary. With ``DOWN_COUNT`` (off until measured
-likewise) the down kernel waits on gate/up's programs through such a count (``down_count``), which the
-layer's wqkv zeroes (``small_linear_triton(reset_count=...)``, wired in ``ops._block_one_row``).
+combine and residual add.
 
 Both read the weights in fused_moe.py's layout (rows contiguous along K), the big-batch layout.
 With the reference's roundings (gate and up rounded before the SwiGLU, each pick's product
@@ -47,9 +43,6 @@ _silu_mul = None
 # names up in the module that defines it, here for the kernels below.
 _route_token = None
 _wait_for_previous = None  # launch's PDL wait, bound by _kernels() likewise
-_count_done = _wait_for_count = None  # launch's counts between programs, bound by _kernels() likewise
-_sl_load_weight = _sl_activation_tile = _sl_product = None  # small_linear's steps, for the router's programs
-_gate_up_program = _router_program = None  # the kernels' bodies, bound by _kernels()
 
 
 SMALL_EXPERT = 1024  # an expert's intermediate size up to which one token takes ``gemv_config``'s one-warp shapes
@@ -89,12 +82,6 @@ def gemv_config(hidden: int, inter: int, num_tokens: int = 1) -> dict:
                 down=dict(BLOCK_N=4, BLOCK_K=min(1024, np2(inter)), num_warps=4))
 
 
-def gate_up_programs(hidden: int, inter: int, top_k: int, num_tokens: int = 1) -> int:
-    """The gate/up launch's programs at ``gemv_config``'s shapes (the router's aside): what the down kernel
-    waits for on its count (``DOWN_COUNT``)."""
-    return num_tokens * top_k * -(-inter // gemv_config(hidden, inter, num_tokens)["gate_up"]["BLOCK_N"])
-
-
 def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """``fused_moe.fused_moe_reference`` for a few tokens: two GEMV launches, no alignment (see the
@@ -111,12 +98,9 @@ def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return _launch_gemvs(x, w13, w2, k, topk_ids.reshape(-1), weights, config=config)
 
 
-def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, renormalize=False, norm_weight=None,
-                  eps=0.0, residual=None, config=None, down_count=None) -> torch.Tensor:
-    """The gate/up and down GEMVs (``ids``, ``weights`` [T * k]: read, or written from ``logits`` [T, E]);
-    with ``router`` ([E, D], one token, a norm), the logits are written first by the gate/up launch itself;
-    with ``down_count`` (zeroed since its last use), gate/up's programs count themselves done there and down
-    waits on that count instead of on gate/up's completion."""
+def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, renormalize=False, norm_weight=None, eps=0.0,
+                  residual=None, config=None) -> torch.Tensor:
+    """The gate/up and down GEMVs (``ids``, ``weights`` [T * k]: read, or written from ``logits`` [T, E])."""
     num_tokens = x.shape[0]
     num_experts, inter2, hidden = w13.shape
     inter = inter2 // 2
@@ -129,39 +113,18 @@ def _launch_gemvs(x, w13, w2, top_k, ids, weights, *, logits=None, router=None, 
     if num_tokens == 0:
         return out
     route = logits is not None
-    routed = router is not None
-    blocks = triton.cdiv(inter, up["BLOCK_N"])
-    router_k = min(ROUTER_CONFIG["block_k"], triton.next_power_of_2(hidden))
-    router_programs = triton.cdiv(num_experts, ROUTER_CONFIG["block_n"]) if routed else 0
-    if routed:  # one grid: the router's programs first, then gate/up's (one token's)
-        assert num_tokens == 1 and route and norm_weight is not None and router.stride() == (hidden, 1)
-        counter, grid = _router_counter(x.device), (router_programs + top_k * blocks,)
-    else:
-        counter, grid = ids, (num_tokens * top_k, blocks)  # unread
-    counted = num_tokens * top_k * blocks if down_count is not None else 0  # the programs down waits for
-    done_count = ids if down_count is None else down_count  # unread without a count
-    gate_up_kernel[grid](
-        x, x if router is None else router, w13, ids, h, logits if route else x, weights,
-        x if norm_weight is None else norm_weight, counter, done_count, eps,
+    gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w13, ids, h, logits if route else x, weights, x if norm_weight is None else norm_weight, eps,
         x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0) if route else 0, num_experts,
         I=inter, D=hidden, EVEN_K=hidden % up["BLOCK_K"] == 0, NORM=norm_weight is not None, TOP_K=top_k,
         ROUTE=route, RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), ROUTER_PROGRAMS=router_programs,
-        ROUTER_ROWS=ROUTER_CONFIG["block_n"], ROUTER_BLOCK_K=router_k, ROUTER_EVEN_K=hidden % router_k == 0,
-        COUNT_DONE=counted > 0, WAIT_SLEEP_NS=launch.count_wait_sleep(gate_up_kernel, routed), **up, **launch.pdl(gate_up_kernel, x))
+        E_PAD=triton.next_power_of_2(num_experts), **up, **launch.pdl(gate_up_kernel, x))
     down_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        h, w2, ids, weights, x if residual is None else residual, out, counter, done_count, w2.stride(0), w2.stride(1), 0 if residual is None else residual.stride(0), out.stride(0),
+        h, w2, ids, weights, x if residual is None else residual, out, w2.stride(0), w2.stride(1),
+        0 if residual is None else residual.stride(0), out.stride(0),
         D=hidden, I=inter, TOP_K=top_k, EVEN_K=inter % down["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        RESET_COUNTER=routed, WAIT_COUNT=counted,
-        WAIT_SLEEP_NS=launch.count_wait_sleep(down_kernel, counted > 0), **down, **launch.pdl(down_kernel, x))
+        **down, **launch.pdl(down_kernel, x))
     return out
-
-
-def _router_counter(device: torch.device) -> torch.Tensor:
-    """The routed gate/up launch's count of finished router programs (``launch.count``), set back to 0 by the
-    down kernel after it, whose wait on gate/up has every program's read of it behind it. Launches on one
-    stream never overlap, so every layer shares it."""
-    return launch.count("moe_router", device)
 
 
 # The router's launch shape in the one-row layer: 4 of its E rows a program, each row whole in one
@@ -175,25 +138,6 @@ def _router_counter(device: torch.device) -> torch.Tensor:
 # results 2026-12-06-h100-argmax-triggers-4ece645.json).
 ROUTER_CONFIG = dict(block_n=4, block_k=2048, num_warps=2, defer_reduce=False, early_tile=True, flat_row=True,
                      trigger_first=True)
-
-
-# One token's router in gate/up's launch: its logits taken by the first programs of that grid, which the
-# rest wait on through a count in memory instead of a launch boundary (``moe_gemv_gate_up_kernel``).
-# A module value for A/B runs (decode_ablation.py router_in_gate_up).
-ROUTER_IN_GATE_UP = False
-
-# One token's down kernel waiting on gate/up's programs through a count in memory (``down_count``) instead of
-# on gate/up's completion (PDL's wait). A module value for A/B runs (decode_ablation.py down_count), read by
-# ``ops._block_one_row``, which zeroes the count in the layer's wqkv launch: the kernel after the last
-# layer's down, by when every reader of the count has finished.
-DOWN_COUNT = False
-
-
-def down_count(device: torch.device) -> torch.Tensor:
-    """The one-row layer's count of finished gate/up programs (``DOWN_COUNT``, ``launch.count``), which its
-    down kernel waits on; the caller zeroes it between layers (``small_linear_triton(reset_count=...)``).
-    Launches on one stream never overlap, so every layer shares it."""
-    return launch.count("moe_gate_up", device)
 
 
 def router_config(num_experts: int, hidden: int):
@@ -233,7 +177,7 @@ def moe_one_row_reference(h: torch.Tensor, norm_weight: torch.Tensor, eps: float
 
 def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
-                       config: dict | None = None, down_count: torch.Tensor | None = None) -> torch.Tensor:
+                       config: dict | None = None) -> torch.Tensor:
     """``moe_one_row_reference`` in three launches, for the tokens of the GEMV path (decode's one row):
 
     1. the router: small_linear's kernel, the norm in its prologue: logits [T, E];
@@ -245,60 +189,52 @@ def moe_one_row_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, r
     the next norm's residual add. All three take PDL on Hopper. Graph-capturable, no host sync.
 
     Args:
-      as ``moe_one_row_reference``'s; config: the GEMVs' launch shapes (``gemv_config``'s default);
-      down_count: (``DOWN_COUNT``) the int32 count down waits on gate/up's programs through, zero on entry.
+      as ``moe_one_row_reference``'s; config: the GEMVs' launch shapes (``gemv_config``'s default).
     """
     num_tokens = h.shape[0]
-    ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=h.device)
-    weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=h.device)
-    if ROUTER_IN_GATE_UP and num_tokens == 1:
-        logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=h.device)
-        return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, router=router, renormalize=renormalize,
-                             norm_weight=norm_weight, eps=eps, residual=h, config=config, down_count=down_count)
     logits = small_linear.small_linear_triton(h, router, norm_weight=norm_weight, eps=eps,
                                               config=router_config(*router.shape))
+    ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=h.device)
+    weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=h.device)
     return _launch_gemvs(h, w13, w2, top_k, ids, weights, logits=logits, renormalize=renormalize,
-                         norm_weight=norm_weight, eps=eps, residual=h, config=config, down_count=down_count)
+                         norm_weight=norm_weight, eps=eps, residual=h, config=config)
 
 
 @functools.cache
 def _kernels():
     """(GEMV gate/up kernel, GEMV down kernel), JIT-ed at first use."""
-    global triton, tl, _silu_mul, _route_token, _wait_for_previous, _count_done, _wait_for_count
-    global _sl_load_weight, _sl_activation_tile, _sl_product
+    global triton, tl, _silu_mul, _route_token, _wait_for_previous
     import triton
     import triton.language as tl
-
-    small_linear._kernel()  # binds its steps
-    _sl_load_weight, _sl_activation_tile, _sl_product = (small_linear._load_weight, small_linear._activation_tile,
-                                                         small_linear._product)
 
     _silu_mul = activation.jit_silu_mul()
     _route_token = moe_routing.jit_route_token()
     _wait_for_previous = launch.jit_wait_for_previous()
-    _count_done, _wait_for_count = launch.jit_counts()
 
     @triton.jit
-    def gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
-                        stride_xt, stride_we, stride_wn, stride_lt, num_experts,
-                        I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                        E_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # h[slot, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N of the I outputs of the slot's expert,
-        # outputs ``col_block`` (after the wait on whatever wrote x and the logits or ids).
+    def moe_gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
+                                stride_xt, stride_we, stride_wn, stride_lt, num_experts,
+                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
+                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # h[slot, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N of the I outputs of the slot's expert.
         # ROUTE: the expert comes from the token's router logits (``route_token``, recomputed by
         # every program: a few reductions over E, in place of a launch), and the programs of the
         # first output block store each slot's id and weight for the down kernel.
         # NORM: x is the residual stream, RMSNorm(x) * norm_w taken on the way (small_linear's
         # prologue: rstd applied to the fp32 products).
+        slot = tl.program_id(0)
         token = (slot // TOP_K).to(tl.int64)
+        if PDL:  # x, the logits or the ids come from the kernels before
+            _wait_for_previous(False)
         if ROUTE:
             top_w, top_i, expert = _route_token(logits_ptr + token * stride_lt, num_experts, slot % TOP_K, TOP_K,
                                                 K_PAD, E_PAD, RENORMALIZE)
             expert = expert.to(tl.int64)
         else:
             expert = tl.load(ids_ptr + slot).to(tl.int64)
-        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         # The last program's spare outputs re-read row I - 1 instead of masking: the weight
         # loads, the whole cost, stay unmasked along N.
         gate_rows = w13_ptr + expert * stride_we + tl.minimum(cols, I - 1).to(tl.int64)[:, None] * stride_wn
@@ -336,82 +272,15 @@ def _kernels():
             # The slot's id and weight for the down kernel, stored last: stores ahead of the weight loads
             # would hold them back behind the softmax that only the weight needs.
             picks = tl.arange(0, K_PAD)
-            mine = (picks == slot % TOP_K) & (col_block == 0)
+            mine = (picks == slot % TOP_K) & (tl.program_id(1) == 0)
             tl.store(ids_ptr + slot + picks * 0, top_i, mask=mine)
             tl.store(weights_ptr + slot + picks * 0, top_w, mask=mine)
 
-    global _gate_up_program, _router_program
-    _gate_up_program = gate_up_program
-
     @triton.jit
-    def router_program(block, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts,
-                       D: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       PDL: tl.constexpr):
-        # One token's router logits ``block`` * ROWS on: small_linear's one-row product with the norm in
-        # its prologue (flat, the first tile loaded before the wait, the same roundings), then counted
-        # done on ``counter_ptr`` for the gate/up programs waiting on it.
-        rows = block * ROWS + tl.arange(0, ROWS)
-        w_rows = router_ptr + tl.minimum(rows, num_experts - 1).to(tl.int64)[:, None] * D
-        ks = tl.arange(0, BLOCK_K)
-        w_first = _sl_load_weight(w_rows, ks, D, EVEN_K)  # no earlier kernel's output
-        if PDL:  # x comes from the kernel before
-            _wait_for_previous(False)
-        dtype = x_ptr.dtype.element_ty
-        one = tl.arange(0, 1)
-        x_rows = x_ptr + one.to(tl.int64)[:, None]  # [1, 1]: the token's row
-        row_ok = one < 1
-        sum_sq = tl.zeros([1, BLOCK_K], tl.float32)
-        a, sum_sq = _sl_activation_tile(x_rows, ks, row_ok, sum_sq, norm_w_ptr, 1, dtype, D, 1)
-        acc = _sl_product(tl.zeros([1, ROWS], tl.float32), a, w_first, False, False, "ieee", True)
-        for k0 in range(BLOCK_K, D, BLOCK_K):
-            k = k0 + ks
-            a, sum_sq = _sl_activation_tile(x_rows, k, row_ok, sum_sq, norm_w_ptr, 1, dtype, D, 1)
-            acc = _sl_product(acc, a, _sl_load_weight(w_rows, k, D, EVEN_K), False, False, "ieee", True)
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / D + eps)[:, None]
-        tl.store(logits_ptr + rows[None, :], (acc * rstd).to(dtype), mask=(rows < num_experts)[None, :])
-        _count_done(counter_ptr)
-
-    _router_program = router_program
-
-    @triton.jit
-    def moe_gemv_gate_up_kernel(x_ptr, router_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr,
-                                counter_ptr, done_count_ptr, eps, stride_xt, stride_we, stride_wn, stride_lt, num_experts,
-                                I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                                ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                                E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                                ROUTER_PROGRAMS: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-                                ROUTER_BLOCK_K: tl.constexpr, ROUTER_EVEN_K: tl.constexpr, COUNT_DONE: tl.constexpr,
-                                WAIT_SLEEP_NS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One program per (slot, BLOCK_N outputs): ``gate_up_program``, in a grid of (slots, output blocks).
-        # ROUTER_PROGRAMS > 0 (``ROUTER_IN_GATE_UP``, one token): a flat grid whose first ROUTER_PROGRAMS
-        # programs take the router's logits, the rest (slot fastest) gate/up's outputs once all of those are
-        # counted. The router's are the lowest program ids: dispatched first, they never wait on a program
-        # that is not resident, so the spinning ones cannot starve them.
-        # COUNT_DONE (``DOWN_COUNT``): each gate/up program counts itself done for the down kernel, its h
-        # and the ids and weights stored.
-        slot, col_block = tl.program_id(0), tl.program_id(1)
-        if ROUTER_PROGRAMS > 0:
-            if slot < ROUTER_PROGRAMS:
-                _router_program(slot, x_ptr, router_ptr, norm_w_ptr, logits_ptr, counter_ptr, eps, num_experts, D,
-                                ROUTER_ROWS, ROUTER_BLOCK_K, ROUTER_EVEN_K, PDL)
-                return
-            slot, col_block = (slot - ROUTER_PROGRAMS) % TOP_K, (slot - ROUTER_PROGRAMS) // TOP_K
-        if PDL:  # x, the logits or the ids come from the kernels before
-            _wait_for_previous(False)
-        if ROUTER_PROGRAMS > 0:
-            _wait_for_count(counter_ptr, ROUTER_PROGRAMS, WAIT_SLEEP_NS)  # the logits
-        _gate_up_program(slot, col_block, x_ptr, w13_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr, norm_w_ptr, eps,
-                         stride_xt, stride_we, stride_wn, stride_lt, num_experts, I, D, TOP_K, EVEN_K, ROUTE,
-                         RENORMALIZE, K_PAD, E_PAD, NORM, BLOCK_N, BLOCK_K)
-        if COUNT_DONE:
-            _count_done(done_count_ptr)
-
-    @triton.jit
-    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, counter_ptr, wait_count_ptr,
-                             stride_we, stride_wn, stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr,
-                             TOP_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                             RESET_COUNTER: tl.constexpr, WAIT_COUNT: tl.constexpr, WAIT_SLEEP_NS: tl.constexpr,
-                             PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def moe_gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, stride_we, stride_wn,
+                             stride_rt, stride_ot, D: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[t, n] = sum over the token's picks j of weight_j * (w2[e_j, n] . h[t * k + j]): BLOCK_N
         # of the D outputs of one token, the combine in registers; HAS_RESIDUAL: plus residual[t, n]
         # (the residual stream's add, in x's dtype as eager ``h + moe(x)``).
@@ -421,15 +290,8 @@ def _kernels():
         ks = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros([BLOCK_N], tl.float32)
-        if WAIT_COUNT > 0:  # gate/up's programs count themselves done (DOWN_COUNT): wait for all of them instead
-            if PDL:
-                tl.extra.cuda.gdc_launch_dependents()
-            _wait_for_count(wait_count_ptr, WAIT_COUNT, WAIT_SLEEP_NS)
-        elif PDL:  # h, the ids and weights come from the kernels before
+        if PDL:  # h, the ids and weights come from the kernels before
             _wait_for_previous(False)
-        if RESET_COUNTER:  # the routed gate/up's count, all read by now: zero for the next layer's
-            if (token == 0) & (tl.program_id(1) == 0):
-                tl.store(counter_ptr, 0)
         # Unrolled over the picks. On several warps each pick's reduction crosses them (a barrier)
         # and keeps the next pick's loads behind it (sm_90 PTX); one warp (one token's shape,
         # gemv_config) reduces inside the warp, with no barrier. Every pick's row loaded at once, one
@@ -461,5 +323,6 @@ def _kernels():
             r = tl.load(residual_ptr + token * stride_rt + cols, mask=cols < D, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(out_ptr + token * stride_ot + cols, y, mask=cols < D)
+
 
     return moe_gemv_gate_up_kernel, moe_gemv_down_kernel

@@ -36,7 +36,6 @@ _partition = _partitions_used = None  # the keys of one split-KV program; how ma
 _quantize = None  # fp8's: the decode kernel with rope stores the new token's K/V quantized
 _head_norm = None  # Qwen3's per-head RMSNorm of q and k, taken before the rotation
 _wait_for_previous = None  # launch's PDL wait, for the decode kernel and the reduce
-_count_done = None  # launch's count of finished programs, for the reduce (REDUCE_COUNT)
 # With rope (the decode kernel writes the new token's K/V itself) at batch 1: load the
 # first key block and the positions before waiting on the previous kernel. A module flag
 # for A/B runs.
@@ -50,11 +49,6 @@ FP8_V_EARLY = True
 # (decode_ablation last:reduce, results 2026-12-06-h100-argmax-triggers-4ece645.json). A module flag
 # for A/B runs.
 REDUCE_TRIGGER_FIRST = True
-# The split-KV reduce counts its finished programs in memory, and the kernel after it (batch 1's wo,
-# small_linear's ``wait_count``) waits on that count instead of on the reduce's completion (PDL's wait):
-# the decode kernel zeroes it. A module flag for A/B runs (decode_ablation.py reduce_count).
-REDUCE_COUNT = False
-_counted = None  # (output's data_ptr, count, target) of the last launch whose reduce counted itself
 
 # Query rows per program, padded: tl.dot needs M >= 16 on GPUs, and a GQA group
 # holds 1..8 heads. The padded rows are zero queries, masked at the store.
@@ -331,10 +325,6 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
     half_dot = half_dots(k_cache.dtype, q.dtype) and not interpreted
     scaled = k_scale is not None
     split = num_splits > 1
-    global _counted
-    counting = split and REDUCE_COUNT
-    count = _reduce_count(q.device) if counting else seq_lens  # unread unless counting
-    _counted = (out.data_ptr(), count, batch * num_heads) if counting else None
     if split:
         partial_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
@@ -348,7 +338,7 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         q, k, v, positions, inv_freq, slot_mapping, q_norm_w, k_norm_w, norm_eps,
         k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_out,
         k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,  # unread unless SCALED
-        count, *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
+        *q.stride(), *k.stride(), *v.stride(), inv_freq.stride(0) if rope_args else 0,
         *k_cache.stride(), block_tables.stride(0), *out.stride(),
         scale * math.log2(math.e), group, head_dim, num_splits,
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
@@ -359,33 +349,18 @@ def _launch_decode(q, rope_args, k_cache, v_cache, block_tables, seq_lens, scale
         # loads are not early, and taking the first block out of the pipelined key loop
         # cost 2.7% at 8B batch 64.
         EARLY_LOADS=rope_args is not None and batch == 1 and EARLY_LOADS,
-        EXIT_EMPTY=cfg.exit_empty and split, RESET_COUNT=counting,
+        EXIT_EMPTY=cfg.exit_empty and split,
         NUM_STAGES=0 if interpreted else cfg.num_stages, num_warps=cfg.num_warps, **launch.pdl(decode_kernel, q),
     )
     if split:
         block_s = triton.next_power_of_2(num_splits)
         reduce_kernel[(batch, num_heads)](
-            partial_max, partial_sum, partial_out, out, seq_lens, count, *out.stride(), head_dim, num_splits,
+            partial_max, partial_sum, partial_out, out, seq_lens, *out.stride(), head_dim, num_splits,
             BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=cfg.block_n, num_warps=reduce_num_warps(block_s, block_d),
-            TRIGGER_FIRST=REDUCE_TRIGGER_FIRST, COUNT=counting,
+            TRIGGER_FIRST=REDUCE_TRIGGER_FIRST,
             **launch.pdl(reduce_kernel, q),
         )
     return out
-
-
-def _reduce_count(device: torch.device) -> torch.Tensor:
-    """The reduce's count of finished programs (``REDUCE_COUNT``, ``launch.count``): every launch's decode
-    kernel zeroes it after its wait, by when the kernel that waited on the last count has finished."""
-    return launch.count("split_kv_reduce", device)
-
-
-def counted_output(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(count, programs) when ``x`` (or a view of it) is the output of the last decode launch, and that
-    launch's reduce counts its programs as they finish (``REDUCE_COUNT``): the next kernel may wait on
-    the count instead of on the reduce's completion."""
-    if _counted is not None and _counted[0] == x.data_ptr():
-        return _counted[1], _counted[2]
-    return None
 
 
 @functools.cache
@@ -410,10 +385,9 @@ def _kernels():
     import triton.language as tl
 
     global _attend_keys, _load_block, _attend_block, _rope_cos_sin, _partition, _partitions_used, _quantize, _head_norm
-    global _wait_for_previous, _count_done
+    global _wait_for_previous
     _quantize = fp8.jit_quantize()
     _wait_for_previous = launch.jit_wait_for_previous()
-    _count_done, _ = launch.jit_counts()
     _head_norm = norm.jit_head_norm()
     _attend_keys = key_block.attend_keys()
     _load_block, _attend_block = key_block.steps()
@@ -451,7 +425,7 @@ def _kernels():
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-        partial_max_ptr, partial_sum_ptr, partial_out_ptr, k_scale_ptr, v_scale_ptr, count_ptr,
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr, k_scale_ptr, v_scale_ptr,
         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd, stride_f,
         stride_cp, stride_co, stride_ch, stride_cd,
         stride_bt, stride_ob, stride_oh, stride_od,
@@ -459,7 +433,7 @@ def _kernels():
         PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
         SCALED: tl.constexpr, FP8_V_EARLY: tl.constexpr, EARLY_LOADS: tl.constexpr, NUM_STAGES: tl.constexpr,
-        PDL: tl.constexpr, QK_NORM: tl.constexpr, EXIT_EMPTY: tl.constexpr, RESET_COUNT: tl.constexpr,
+        PDL: tl.constexpr, QK_NORM: tl.constexpr, EXIT_EMPTY: tl.constexpr,
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)  # query heads of the group, padded
@@ -486,9 +460,6 @@ def _kernels():
             cos, sin = _rope_cos_sin(positions_ptr, inv_freq_ptr, seq, lane, dim_ok, stride_f)
         if PDL:  # everything below reads what earlier kernels wrote
             _wait_for_previous(False)
-        if RESET_COUNT:  # the reduce's count (REDUCE_COUNT): its reader, the last layer's wo, has finished
-            if (seq == 0) & (kv_head == 0) & (split == 0):
-                tl.store(count_ptr, 0)
         if not EARLY_LOADS:
             seq_len, start, end = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
             if EXIT_EMPTY:
@@ -599,10 +570,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr"])  # as decode_kernel's
     def reduce_kernel(
-        partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr, seq_lens_ptr, count_ptr,
+        partial_max_ptr, partial_sum_ptr, partial_out_ptr, out_ptr, seq_lens_ptr,
         stride_ob, stride_oh, stride_od, head_dim, num_splits,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-        TRIGGER_FIRST: tl.constexpr, COUNT: tl.constexpr,
+        TRIGGER_FIRST: tl.constexpr,
     ):
         seq, head = tl.program_id(0), tl.program_id(1)
         used = _partitions_used(seq_lens_ptr, seq, num_splits, BLOCK_N)  # no earlier kernel's output
@@ -624,7 +595,5 @@ def _kernels():
         o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
-        if COUNT:  # for the kernel after, waiting on the count (REDUCE_COUNT)
-            _count_done(count_ptr)
 
     return decode_kernel, reduce_kernel

@@ -48,7 +48,7 @@ triton = None
 tl = None
 _silu_mul = None  # activation's SwiGLU gate, bound by `_kernel()`: the same bits as the unfused kernel
 _load_weight = _activation_tile = _product = None  # the kernel's steps, bound by `_kernel()` for it to call
-_wait_for_previous = _wait_for_count = None  # launch's PDL wait and count wait, bound by `_kernel()` likewise
+_wait_for_previous = None  # launch's PDL wait, bound by `_kernel()` likewise
 
 MAX_ROWS = 64
 MAX_PROLOGUE_ROWS = 16  # a norm or gate prologue up to this many rows
@@ -286,8 +286,6 @@ def small_linear_triton(
     gated_output: bool = False,
     config: Config | None = None,
     out_dtype: torch.dtype | None = None,
-    wait_count: tuple[torch.Tensor, int] | None = None,
-    reset_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`pro(x) @ weight.T (+ residual)` in one kernel (Triton); arguments as `small_linear_reference`.
 
@@ -302,12 +300,6 @@ def small_linear_triton(
         tensor-core (`use_dot`) one with `gated_output`.
       out_dtype: the output's dtype, x's when None; the values are x's dtype's all the same (a
         head's fp32 logits come out as the projection and a cast would give them, one launch less).
-      wait_count: (an int32 count, n): x's writer counts its programs there as they finish
-        (`paged_attention.counted_output`); the kernel waits for n of them in place of PDL's wait on
-        the kernel before's completion.
-      reset_count: an int32 count the launch zeroes after its wait on the kernel before: the count of an
-        edge later in the chain, whose readers all finished before that kernel did (``moe_gemv``'s down
-        count, zeroed by the MoE layer's wqkv).
 
     Returns:
       `[M, N]` contiguous (`[M, N / 2]` with `gated_output`), in `out_dtype`.
@@ -333,10 +325,9 @@ def small_linear_triton(
     assert cfg.use_dot or not cfg.defer_reduce or not gated_output, "the gated epilogue reduces every step"
     assert not (cfg.early_tile and gated_output), "the early tile is the gate's alone"
     assert cfg.split_k == 1, "a split K writes partials: small_linear_split_k_triton"
-    assert wait_count is None or reset_count is None, "one count a launch"
     prologue = _NORM if norm_weight is not None else _GATED if gated else _PLAIN
     _launch(x, weight, out, cfg, prologue=prologue, norm_weight=norm_weight, eps=eps, residual=residual,
-            gated_output=gated_output, wait_count=wait_count, reset_count=reset_count)
+            gated_output=gated_output)
     return out
 
 
@@ -388,24 +379,22 @@ def small_linear_split_k_triton(x: torch.Tensor, weight: torch.Tensor, config: C
 
 
 def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, eps=0.0, residual=None,
-            gated_output=False, partials=False, wait_count=None, reset_count=None) -> None:
+            gated_output=False, partials=False) -> None:
     """One launch of the kernel into `out` (`[M, N]`, or `[split_k, M, N]` fp32 `partials`)."""
     m, n, k = x.shape[0], out.shape[-1], weight.shape[1]
     kernel = _kernel()
     block_m = max(16, triton_next_power_of_2(m)) if cfg.use_dot else triton_next_power_of_2(m)
-    # Without a norm, a residual or a count the kernel never touches those pointers; x fills them.
-    count = wait_count[0] if wait_count is not None else x if reset_count is None else reset_count
+    # Without a norm or a residual the kernel never touches those pointers; x fills them.
     kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, weight, x if norm_weight is None else norm_weight, x if residual is None else residual, out,
-        count, m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+        m, n, x.stride(0), x.stride(1), weight.stride(0), 0 if residual is None else residual.stride(0), eps,
         K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, GATED_OUTPUT=gated_output,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, DEFER_REDUCE=cfg.defer_reduce,
         # A float32 dot would default to tf32 on the tensor cores; keep it exact.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY_TILE=cfg.early_tile,
         SPLIT_K=cfg.split_k, PARTIALS=partials, FLAT_ROW=cfg.flat_row and m == 1 and not cfg.use_dot,
-        TRIGGER_FIRST=cfg.trigger_first, WAIT_COUNT=0 if wait_count is None else wait_count[1],
-        RESET_COUNT=reset_count is not None, WAIT_SLEEP_NS=launch.count_wait_sleep(kernel, wait_count is not None),
+        TRIGGER_FIRST=cfg.trigger_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch.pdl(kernel, x),
     )
 
@@ -414,14 +403,13 @@ def _launch(x, weight, out, cfg: Config, *, prologue=_PLAIN, norm_weight=None, e
 def _kernel():
     """Import triton and JIT the kernel: done at first launch so that TRITON_INTERPRET,
     read by `@triton.jit`, is whatever the caller (e.g. a test module) set by then."""
-    global triton, tl, _silu_mul, _wait_for_previous, _wait_for_count
+    global triton, tl, _silu_mul, _wait_for_previous
     import triton
     import triton.language as tl
     import triton.language.extra.cuda  # noqa: F401 (tl.extra.cuda, for PDL)
 
     _silu_mul = activation.jit_silu_mul()
     _wait_for_previous = launch.jit_wait_for_previous()
-    _, _wait_for_count = launch.jit_counts()
 
     @triton.jit
     def load_weight(w_rows, k, K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -478,7 +466,7 @@ def _kernel():
 
     @triton.jit
     def small_linear_kernel(
-        x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr, count_ptr,
+        x_ptr, w_ptr, norm_w_ptr, residual_ptr, out_ptr,
         M, N, stride_xm, stride_xk, stride_wn, stride_rm, eps,
         # K is a compile-time constant: a model has a handful of them, the K loop gets a
         # static trip count (pipelined, and a plain `range` the interpreter can run).
@@ -486,8 +474,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
-        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr, WAIT_COUNT: tl.constexpr, RESET_COUNT: tl.constexpr,
-        WAIT_SLEEP_NS: tl.constexpr,
+        FLAT_ROW: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # the operands' (the output's too, unless split: fp32 partials)
         rows = tl.arange(0, BLOCK_M)
@@ -504,15 +491,8 @@ def _kernel():
             # The weights are no earlier kernel's output: the first tile loads before the
             # wait, in flight while the previous kernel drains (see `Config.early_tile`).
             w_first = _load_weight(w_rows, ks, K, EVEN_K)
-        if PDL and WAIT_COUNT == 0:  # x and the residual come from earlier kernels
+        if PDL:  # x and the residual come from earlier kernels
             _wait_for_previous(TRIGGER_FIRST)
-        if WAIT_COUNT > 0:  # x's writer counts its programs done: wait for all of them instead
-            if PDL:
-                tl.extra.cuda.gdc_launch_dependents()
-            _wait_for_count(count_ptr, WAIT_COUNT, WAIT_SLEEP_NS)
-        if RESET_COUNT:  # a later kernel pair's count, whose last readers finished before the kernel waited on
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-                tl.store(count_ptr, 0)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         # With a gated output the up rows follow the N gate rows: output j is silu(gate j) * up j.
         w_up_rows = w_rows + N * stride_wn

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spark.engine import attention
-from spark.engine.kernels import (activation, embedding, fp8, fused_moe, moe_gemv, moe_routing, norm, paged_attention,
-                                  small_linear)
+from spark.engine.kernels import activation, embedding, fp8, fused_moe, moe_gemv, moe_routing, norm, small_linear
 from spark.engine.kv_cache import pages_and_scale
 
 if TYPE_CHECKING:
@@ -166,19 +165,14 @@ def _block_one_row(block, h: torch.Tensor, rope: Rope, k_cache, v_cache, meta) -
     rank 0 adds the residual to its part, so that the sum holds it once.
     """
     attn, ffn, tp = block.attention, block.feed_forward, block.tp
-    # moe_gemv.DOWN_COUNT: down waits on gate/up's programs through a count, which wqkv zeroes after its
-    # wait on the last layer's down, that count's last reader.
-    down_count = moe_gemv.down_count(h.device) if ffn.routed and moe_gemv.DOWN_COUNT and h.shape[0] == 1 else None
     qkv = small_linear.small_linear_triton(
-        h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps,
-        reset_count=down_count)
-    attended = attn.attend(qkv, rope, k_cache, v_cache, meta)
-    h = tp.reduce(small_linear.small_linear_triton(attended, attn.wo.weight, residual=h if tp.leads else None,
-                                                   wait_count=paged_attention.counted_output(attended)))
+        h, attn.wqkv.weight, norm_weight=block.attention_norm.weight, eps=block.attention_norm.eps)
+    h = tp.reduce(small_linear.small_linear_triton(attn.attend(qkv, rope, k_cache, v_cache, meta), attn.wo.weight,
+                                                   residual=h if tp.leads else None))
     if ffn.routed:  # routed experts (models/moe.py): router, GEMVs, residual add in three launches
         assert tp.world_size == 1, "MoE layers are not split over ranks"
         return moe_gemv.moe_one_row_triton(h, block.ffn_norm.weight, block.ffn_norm.eps, ffn.gate.weight, ffn.w13,
-                                           ffn.w2, ffn.top_k, ffn.renormalize, down_count=down_count)
+                                           ffn.w2, ffn.top_k, ffn.renormalize)
     ffn_norm = dict(norm_weight=block.ffn_norm.weight, eps=block.ffn_norm.eps)
     residual = h if tp.leads else None
     if small_linear.gate_in_epilogue(h.shape[0], h.shape[1]):

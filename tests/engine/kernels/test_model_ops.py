@@ -72,33 +72,6 @@ def test_triton_ops_match_torch_ops_step_by_step(preset):
             torch.testing.assert_close(fused(ids, positions, fused_cache.layers, meta), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
-def test_counted_edges_leave_the_steps_as_they_were(preset, monkeypatch):
-    # The program-to-program counts, off by default until a GPU has measured them (moe_gemv.ROUTER_IN_GATE_UP and
-    # DOWN_COUNT, paged_attention.REDUCE_COUNT): the same outputs bit for bit. The one-row step's layers share
-    # the down count, which each layer's wqkv zeroes: after the step it holds the last layer's gate/up programs
-    # alone, not the sum over the layers.
-    from spark.engine.kernels import moe_gemv, paged_attention
-
-    source = resolve_model(f"dummy:{preset}")
-
-    def outputs():
-        net, cache = _model(source, TritonOps(), torch.float32)
-        gen = torch.Generator().manual_seed(0)
-        with torch.inference_mode():
-            return [net(torch.randint(0, source.config.vocab_size, positions.shape, generator=gen), positions,
-                        cache.layers, meta) for positions, meta in (_step(*s) for s in STEPS)]
-
-    waited = outputs()
-    for module, flag in ((moe_gemv, "ROUTER_IN_GATE_UP"), (moe_gemv, "DOWN_COUNT"), (paged_attention, "REDUCE_COUNT")):
-        monkeypatch.setattr(module, flag, True)
-    counted = outputs()
-    assert all(torch.equal(c, w) for c, w in zip(counted, waited))
-    config = source.config
-    assert moe_gemv.down_count(torch.device("cpu")).item() == moe_gemv.gate_up_programs(
-        config.hidden_size, config.moe_intermediate_size or config.intermediate_size, config.num_experts_per_tok)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_cpu_ops_match_torch_ops_step_by_step(preset, dtype):

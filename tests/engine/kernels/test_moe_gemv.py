@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spark.engine.kernels import fused_moe, moe_gemv, moe_routing, small_linear
+from spark.engine.kernels import fused_moe, moe_gemv, moe_routing
 from tests.engine.kernels.conftest import assert_bf16_nearly_exact
 from tests.engine.kernels.moe_inputs import MIXTRAL_SMALL, QWEN3_MOE_SMALL, make_moe
 
@@ -95,9 +95,7 @@ def test_one_row_reference_is_the_unfused_layer():
 
 
 @pytest.mark.parametrize("shape", [QWEN3_MOE_SMALL, MIXTRAL_SMALL], ids=["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("router_in_gate_up", [False, True], ids=["router_apart", "router_in_gate_up"])
-def test_one_row_bf16_rounds_as_the_reference(shape, router_in_gate_up, monkeypatch):
-    monkeypatch.setattr(moe_gemv, "ROUTER_IN_GATE_UP", router_in_gate_up)
+def test_one_row_bf16_rounds_as_the_reference(shape):
     h, norm_weight, router, w13, w2, k = make_one_row(1, shape, torch.bfloat16, seed=3)
     assert_bf16_nearly_exact(moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True),
                              moe_gemv.moe_one_row_reference(h, norm_weight, 1e-6, router, w13, w2, k, True),
@@ -129,44 +127,3 @@ def test_one_token_of_small_experts_routed_or_given(routed):
     got = moe_gemv._launch_gemvs(h, w13, w2, k, flat_ids, flat_weights, logits=logits if routed else None,
                                  renormalize=True)
     torch.testing.assert_close(got, fused_moe.fused_moe_reference(h, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("shape", [QWEN3_MOE_SMALL, MIXTRAL_SMALL], ids=["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_router_in_gate_up_equals_its_own_launch(shape, renormalize, monkeypatch):
-    # One token's router taken by gate/up's first programs (ROUTER_IN_GATE_UP): the same logits, ids,
-    # weights and output as the router's own launch, and the count the gate/up programs waited on is
-    # back at 0 for the next layer's launch (twice in a row: the second finds it so).
-    h, norm_weight, router, w13, w2, k = make_one_row(1, shape, torch.float32, seed=5)
-    monkeypatch.setattr(moe_gemv, "ROUTER_IN_GATE_UP", False)
-    apart = moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, renormalize)
-    monkeypatch.setattr(moe_gemv, "ROUTER_IN_GATE_UP", True)
-    for _ in range(2):
-        logits = torch.full((1, w13.shape[0]), float("nan"))
-        ids, weights = torch.full((k,), -1, dtype=torch.int32), torch.full((k,), float("nan"))
-        out = moe_gemv._launch_gemvs(h, w13, w2, k, ids, weights, logits=logits, router=router,
-                                     renormalize=renormalize, norm_weight=norm_weight, eps=1e-6, residual=h)
-        assert moe_gemv._router_counter(h.device).item() == 0
-        torch.testing.assert_close(logits, small_linear.small_linear_reference(h, router, norm_weight=norm_weight,
-                                                                                eps=1e-6), rtol=1e-5, atol=1e-5)
-        want_w, want_i = moe_routing.route(logits, k, renormalize)
-        assert torch.equal(ids, want_i.reshape(-1).to(torch.int32))
-        torch.testing.assert_close(weights, want_w.reshape(-1))
-        torch.testing.assert_close(out, apart, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("router_in_gate_up", [False, True], ids=["router_apart", "router_in_gate_up"])
-def test_down_waits_on_gate_ups_count(router_in_gate_up, monkeypatch):
-    # DOWN_COUNT: every gate/up program (not the router's) counts itself done, the down kernel waits for all
-    # of them; the same output as down's wait on gate/up's completion. The count is left at the number of
-    # gate/up programs for the layer's next wqkv to zero (small_linear's reset_count).
-    monkeypatch.setattr(moe_gemv, "ROUTER_IN_GATE_UP", router_in_gate_up)
-    experts, k, hidden, inter = QWEN3_MOE_SMALL
-    h, norm_weight, router, w13, w2, _ = make_one_row(1, QWEN3_MOE_SMALL, torch.bfloat16, seed=13)
-    plain = moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True)
-    count = torch.zeros(1, dtype=torch.int32)
-    counted = moe_gemv.moe_one_row_triton(h, norm_weight, 1e-6, router, w13, w2, k, True, down_count=count)
-    assert torch.equal(counted, plain)
-    assert count.item() == moe_gemv.gate_up_programs(hidden, inter, k)
-    small_linear.small_linear_triton(h, router, reset_count=count)
-    assert count.item() == 0

@@ -413,28 +413,3 @@ def test_decode_rope_triton_with_qk_norm_is_norms_then_the_kernel(dtype, num_spl
     same = (k_fused == k_unfused) | (k_fused.isnan() & k_unfused.isnan())
     assert same.float().mean() > 0.99 and torch.equal(v_fused.nan_to_num(), v_unfused.nan_to_num())
     torch.testing.assert_close(k_fused, k_unfused, rtol=tol, atol=tol, equal_nan=True)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_reduce_counts_itself_for_the_projection_after(num_splits, monkeypatch):
-    """`REDUCE_COUNT`: the split reduce counts its programs done, the decode kernel zeroes the count first,
-    and the projection after (small_linear's `wait_count`) waits on it: the same output as without it.
-    Unsplit, there is no reduce and nothing to wait on."""
-    from spark.engine.kernels import paged_attention, small_linear
-
-    step = _decode_step([300, 65], 16, 2, 4, 128, seed=2)
-    weight = torch.randn(64, 8 * 128, generator=torch.Generator().manual_seed(3))
-    plain, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
-    monkeypatch.setattr(paged_attention, "REDUCE_COUNT", True)
-    for _ in range(2):  # the second launch finds the first one's full count and starts from 0 again
-        out, _, _ = _run_rope_decode(paged_decode_attention_rope_triton, *step, num_splits=num_splits)
-        flat = out.view(2, -1)
-        counted = paged_attention.counted_output(flat)
-        assert torch.equal(out, plain)
-        if num_splits == 1:
-            assert counted is None
-            continue
-        count, programs = counted
-        assert programs == 2 * 8 and count.item() == programs
-        got = small_linear.small_linear_triton(flat, weight, residual=flat[:, :64], wait_count=counted)
-        assert torch.equal(got, small_linear.small_linear_triton(flat, weight, residual=flat[:, :64]))
