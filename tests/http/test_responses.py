@@ -226,7 +226,7 @@ def test_conversation_of_three_turns(client, engine):
         client.responses.create(model="replay", conversation=conv.id, input="x")
 
 
-def test_an_empty_conversation_id_is_not_found(client):
+def test_an_empty_previous_response_or_conversation_id_is_not_found(client):
     # "" is a conversation (or previous response) given, not a turn without one: a 404 from the create,
     # unstored and stored alike, and from the token count (a 500 once, found by test_fuzz).
     for field in ("conversation", "previous_response_id"):
